@@ -1,0 +1,8 @@
+#!/usr/bin/env python3
+"""Thin entry point of the bootstrap role: same as `p2p-diloco bootstrap ...`."""
+import sys
+
+from p2p_diloco.cli import main
+
+if __name__ == "__main__":
+    sys.exit(main(["bootstrap", *sys.argv[1:]]))

@@ -1,0 +1,114 @@
+"""``p2p-diloco``: the one command, with subcommands ``bootstrap``, ``peer`` and ``status``.
+
+User mistakes print ``error: <what and how to fix>`` on stderr and exit non-zero, without a traceback.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+from typing import Optional, Sequence
+
+from p2p_diloco import config as config_lib
+from p2p_diloco.errors import UserError
+
+EPILOG = """examples:
+  p2p-diloco bootstrap --host-maddrs /ip4/0.0.0.0/tcp/31337 --identity-path bootstrap.key
+  p2p-diloco peer --initial-peers /ip4/127.0.0.1/tcp/31337/p2p/12D3KooW... --run-id demo --island island-0
+  p2p-diloco status --initial-peers /ip4/127.0.0.1/tcp/31337/p2p/12D3KooW... --run-id demo --watch
+"""
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="p2p-diloco",
+        description="Peer-to-peer Decoupled DiLoCo on hivemind.",
+        epilog=EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    commands = parser.add_subparsers(dest="command", metavar="{bootstrap,peer,status}", required=True)
+
+    bootstrap = commands.add_parser(
+        "bootstrap", help="run a long-lived DHT peer that islands join through",
+        description="Run a DHT-only bootstrap peer. Its first stdout line is INITIAL_PEERS=<maddr>...; "
+        "the identity key is created on first run and reused, so the peer id survives restarts.",
+    )
+    config_lib.add_config_arguments(bootstrap, config_lib.BootstrapConfig)
+
+    peer = commands.add_parser(
+        "peer", help="join a run as an island (one model replica) and train",
+        description="Join a run as an island: train a model replica on this island's data shard and "
+        "exchange outer updates with the swarm, one fragment at a time. Every config field is a flag; "
+        "a TOML file (--config) sets them too, flags win.",
+    )
+    peer.add_argument("--config", default="", metavar="FILE.toml", help="TOML file with config fields")
+    config_lib.add_config_arguments(peer, config_lib.PeerConfig)
+
+    status = commands.add_parser(
+        "status", help="show a run's live islands and swarm totals",
+        description="Show a run's live islands (from their signed DHT records) and swarm totals.",
+    )
+    config_lib.add_config_arguments(status, config_lib.StatusConfig)
+
+    for sub in (bootstrap, peer, status):
+        sub.add_argument("-v", "--verbose", action="store_true", help="debug logs, including hivemind's")
+    return parser
+
+
+def setup_logging(verbose: bool) -> None:
+    """Logs go to stderr (stdout stays machine-readable)."""
+    from p2p_diloco.transport import quiet_hivemind
+
+    quiet_hivemind(verbose)
+    root = logging.getLogger()
+    for handler in list(root.handlers):
+        root.removeHandler(handler)
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s", "%H:%M:%S"))
+    root.addHandler(handler)
+    root.setLevel(logging.INFO)
+    logging.getLogger("p2p_diloco").setLevel(logging.DEBUG if verbose else logging.INFO)
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    args = build_parser().parse_args(argv)
+    setup_logging(args.verbose)
+    from p2p_diloco.procs import StopSignal, install_child_hooks
+
+    install_child_hooks()
+    stop = StopSignal().install()
+    try:
+        if args.command == "bootstrap":
+            from p2p_diloco.bootstrap import run_bootstrap
+
+            run_bootstrap(config_lib.build_config(config_lib.BootstrapConfig, args), stop)
+        elif args.command == "status":
+            from p2p_diloco.status import run_status
+
+            run_status(config_lib.build_config(config_lib.StatusConfig, args), stop)
+        else:
+            from p2p_diloco.island import run_peer
+
+            summary = run_peer(config_lib.build_config(config_lib.PeerConfig, args, args.config), stop)
+            if summary:
+                logging.getLogger("p2p_diloco").info(
+                    "summary: %d steps, %.2fM tokens, eval loss %s -> %s, rounds %d ok / %d failed, utilization %.3f",
+                    summary["inner_steps"], summary["tokens"] / 1e6, _fmt(summary["eval_loss_first"]),
+                    _fmt(summary["eval_loss_last"]), summary["outer_rounds_ok"], summary["outer_rounds_failed"],
+                    summary["compute_utilization"],
+                )
+    except UserError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return e.exit_code
+    except KeyboardInterrupt:
+        return 130
+    return 0
+
+
+def _fmt(value) -> str:
+    return "-" if value is None else f"{value:.3f}"
+
+
+if __name__ == "__main__":
+    sys.exit(main())

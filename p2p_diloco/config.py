@@ -1,0 +1,334 @@
+"""Typed, validated configuration for every role, in one place.
+
+Each field has a description (shown by ``--help``) and is settable three ways, later ones winning:
+its default, a TOML file (``--config FILE.toml``; sections ``[model]``, ``[data]``, ``[inner]``,
+``[outer]``) and a command-line flag. Top-level fields map to ``--field-name``; section fields to
+``--section-field-name`` (``outer.period`` -> ``--outer-period``). A few common fields also have short
+aliases (``--data``, ``--tokenizer``, ``--preset``).
+
+Invalid values raise :class:`~p2p_diloco.errors.ConfigError` whose message names the field, its flag
+and the value given.
+"""
+
+from __future__ import annotations
+
+import argparse
+import re
+import types
+import typing
+from pathlib import Path
+from typing import Any, Literal, Optional, Union
+
+try:
+    import tomllib
+except ModuleNotFoundError:  # Python 3.10
+    import tomli as tomllib
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+from p2p_diloco.errors import ConfigError
+
+RUN_ID_PATTERN = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_-]{0,63}$")
+
+
+def _check_name(value: str, example: str) -> str:
+    if not value:
+        raise ValueError(f"is required (e.g. {example})")
+    if not RUN_ID_PATTERN.match(value):
+        raise ValueError(f"must be 1-64 characters of letters, digits, '_' or '-' (e.g. {example})")
+    return value
+
+
+class _Section(BaseModel):
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+
+class ModelConfig(_Section):
+    """The model replica every island trains (a Llama-style causal LM built by transformers)."""
+
+    preset: Literal["tiny", "small", "base"] = Field(
+        "tiny", description="model size: tiny (~1M params, CPU), small (~24M), base (~150M)"
+    )
+    hidden_size: Optional[int] = Field(None, gt=0, description="override the preset's hidden size")
+    num_layers: Optional[int] = Field(None, gt=0, description="override the preset's number of layers")
+    num_heads: Optional[int] = Field(None, gt=0, description="override the preset's attention heads")
+    intermediate_size: Optional[int] = Field(None, gt=0, description="override the preset's MLP width")
+    vocab_size: Optional[int] = Field(
+        None, ge=260, le=65535, description="BPE vocabulary size of the locally trained tokenizer"
+    )
+    seq_len: Optional[int] = Field(None, gt=1, description="training sequence length in tokens")
+    seed: int = Field(0, ge=0, description="initialisation seed; every island of a run must use the same")
+
+
+class DataConfig(_Section):
+    """Where the text comes from and how it is split."""
+
+    path: str = Field(
+        "",
+        description="a .txt file, a folder of .txt files or a .jsonl file with a 'text' field "
+        "(default: the embedded Shakespeare corpus)",
+    )
+    tokenizer: str = Field("", description="a tokenizer.json to use instead of training a byte-level BPE")
+    eval_fraction: float = Field(0.05, gt=0.0, lt=0.5, description="held-out tail of each document for eval loss")
+    num_shards: int = Field(8, ge=1, description="the training split is cut into this many shards")
+    shard_index: int = Field(-1, ge=-1, description="this island's shard (-1: chosen from the island name)")
+
+
+class InnerConfig(_Section):
+    """The inner optimizer (AdamW) of each island (arXiv 2311.08105, Alg. 1)."""
+
+    lr: float = Field(3e-3, gt=0.0, description="AdamW peak learning rate")
+    weight_decay: float = Field(0.1, ge=0.0, description="AdamW weight decay")
+    beta1: float = Field(0.9, ge=0.0, lt=1.0, description="AdamW beta1")
+    beta2: float = Field(0.95, ge=0.0, lt=1.0, description="AdamW beta2")
+    warmup_steps: int = Field(50, ge=0, description="linear learning-rate warm-up, in inner steps")
+    batch_size: Optional[int] = Field(None, gt=0, description="sequences per inner step (default: the preset's)")
+    grad_clip: float = Field(1.0, ge=0.0, description="gradient-norm clip (0 disables)")
+
+
+class OuterConfig(_Section):
+    """The outer loop: fragments, the swarm-wide round clock and the outer optimizer (DESIGN.md)."""
+
+    lr: float = Field(0.7, gt=0.0, description="outer SGD learning rate (arXiv 2311.08105: 0.7)")
+    momentum: float = Field(0.9, ge=0.0, lt=1.0, description="outer SGD momentum (arXiv 2311.08105: 0.9)")
+    nesterov: bool = Field(True, description="Nesterov outer momentum (else plain heavy-ball)")
+    fragments: int = Field(2, ge=1, le=64, description="P: fragments synced at staggered times (1 = plain DiLoCo)")
+    period: float = Field(
+        30.0, gt=0.0, description="T_outer: seconds between two rounds of the same fragment (swarm-wide clock)"
+    )
+    quorum: int = Field(2, ge=1, description="K: a round waits (up to the grace window) for this many members")
+    matchmaking_time: float = Field(3.0, gt=0.0, description="seconds before a round's slot when matchmaking starts")
+    grace_window: float = Field(1.5, ge=0.0, description="seconds past the slot a round keeps waiting for quorum")
+    allreduce_timeout: float = Field(5.0, gt=0.0, description="seconds an all-reduce may take once the group formed")
+    request_timeout: float = Field(1.0, gt=0.0, description="seconds to wait for a peer's matchmaking answer")
+    apply: Literal["carry", "mix"] = Field(
+        "carry",
+        description="how a finished round lands on the island: carry (new global + local progress since the "
+        "snapshot) or mix (alpha*local + (1-alpha)*global, arXiv 2501.18512)",
+    )
+    alpha: float = Field(0.5, ge=0.0, le=1.0, description="mix weight of the local parameters for apply=mix")
+    max_delta: float = Field(
+        1.0, gt=0.0, description="largest |pseudo-gradient| element exchanged; larger elements are clipped"
+    )
+
+    @property
+    def fragment_budget(self) -> float:
+        """Seconds available to one fragment's round (T_outer / P)."""
+        return self.period / self.fragments
+
+
+class PeerConfig(_Section):
+    """Everything an island peer needs."""
+
+    run_id: str = Field("", description="name of the training run; islands of one run share it")
+    island: str = Field("", description="this island's name (unique within the run)")
+    initial_peers: list[str] = Field(
+        default_factory=list, description="multiaddrs of live peers (the bootstrap node's INITIAL_PEERS)"
+    )
+    host_maddrs: list[str] = Field(
+        default_factory=lambda: ["/ip4/0.0.0.0/tcp/0"], description="multiaddrs to listen on"
+    )
+    announce_maddrs: list[str] = Field(default_factory=list, description="public multiaddrs to announce")
+    identity_path: str = Field("", description="private key file: a stable peer id across restarts")
+    device: Literal["auto", "cpu", "cuda"] = Field("auto", description="auto takes CUDA when present")
+    threads: int = Field(0, ge=0, description="torch CPU threads (0: torch's default)")
+    max_steps: int = Field(0, ge=0, description="stop after this many inner steps (0: no limit)")
+    max_minutes: float = Field(0.0, ge=0.0, description="stop after this many minutes of training (0: no limit)")
+    summary_json: str = Field("", description="write the run summary here on exit")
+    log_jsonl: str = Field("", description="append per-step, per-round and eval events here (JSON lines)")
+    eval_every: float = Field(60.0, gt=0.0, description="seconds between eval-loss measurements")
+    eval_batches: int = Field(8, ge=1, description="held-out batches per eval")
+    progress_period: float = Field(2.0, gt=0.0, description="seconds between progress records on the DHT")
+    progress_ttl: float = Field(15.0, gt=0.0, description="seconds a progress record lives without refresh")
+    join_timeout: float = Field(60.0, gt=0.0, description="seconds to keep trying to reach peers / download state")
+    slowdown: float = Field(
+        1.0, ge=1.0, description="simulate a slower device: each inner step takes this many times longer"
+    )
+    model: ModelConfig = Field(default_factory=ModelConfig)
+    data: DataConfig = Field(default_factory=DataConfig)
+    inner: InnerConfig = Field(default_factory=InnerConfig)
+    outer: OuterConfig = Field(default_factory=OuterConfig)
+
+    @field_validator("run_id")
+    @classmethod
+    def _check_run_id(cls, value: str) -> str:
+        return _check_name(value, "my_run")
+
+    @field_validator("island")
+    @classmethod
+    def _check_island(cls, value: str) -> str:
+        return _check_name(value, "island-0")
+
+    @model_validator(mode="after")
+    def _check_round_budget(self) -> "PeerConfig":
+        outer = self.outer
+        needed = outer.matchmaking_time + outer.grace_window + outer.allreduce_timeout
+        if needed >= outer.fragment_budget:
+            raise ValueError(
+                f"outer.period / outer.fragments = {outer.fragment_budget:.2f} s must exceed "
+                f"outer.matchmaking_time + outer.grace_window + outer.allreduce_timeout = {needed:.2f} s: "
+                "raise --outer-period or lower the others"
+            )
+        if outer.request_timeout >= outer.matchmaking_time / 2:
+            raise ValueError("outer.request_timeout must be smaller than half of outer.matchmaking_time")
+        if self.progress_ttl <= self.progress_period:
+            raise ValueError("progress_ttl must be longer than progress_period")
+        return self
+
+
+class BootstrapConfig(_Section):
+    """A DHT-only peer with a persistent identity that others join through."""
+
+    host_maddrs: list[str] = Field(
+        default_factory=lambda: ["/ip4/0.0.0.0/tcp/0"], description="multiaddrs to listen on"
+    )
+    announce_maddrs: list[str] = Field(default_factory=list, description="public multiaddrs to announce")
+    identity_path: str = Field(
+        "bootstrap.key", description="private key file, created on first run (mode 0600) and reused"
+    )
+    initial_peers: list[str] = Field(default_factory=list, description="other bootstrap nodes to join")
+    run_id: str = Field("", description="also summarise this run's islands in the periodic log line")
+    summary_period: float = Field(30.0, gt=0.0, description="seconds between swarm summary lines")
+
+    @field_validator("run_id")
+    @classmethod
+    def _check_run_id(cls, value: str) -> str:
+        return _check_name(value, "my_run") if value else value
+
+
+class StatusConfig(_Section):
+    """The observer: reads the islands' signed progress records from the DHT."""
+
+    initial_peers: list[str] = Field(default_factory=list, description="multiaddrs of live peers")
+    run_id: str = Field("", description="the run to show")
+    json_output: bool = Field(
+        False, description="print machine-readable JSON instead of a table", json_schema_extra={"flags": ["--json"]}
+    )
+    watch: bool = Field(False, description="refresh until Ctrl+C")
+    interval: float = Field(3.0, gt=0.0, description="seconds between refreshes with --watch")
+    join_timeout: float = Field(30.0, gt=0.0, description="seconds to keep trying to reach the peers")
+
+    @field_validator("run_id")
+    @classmethod
+    def _check_run_id(cls, value: str) -> str:
+        return _check_name(value, "my_run")
+
+
+# --------------------------------------------------------------------------------------------
+# flags <-> fields
+
+ALIASES: dict[tuple[str, ...], list[str]] = {
+    ("data", "path"): ["--data"],
+    ("data", "tokenizer"): ["--tokenizer"],
+    ("model", "preset"): ["--preset"],
+}
+
+
+def flag_for(path: tuple[str, ...]) -> str:
+    """The command-line flag of a config field, e.g. ``("outer", "period")`` -> ``--outer-period``."""
+    return "--" + "-".join(part.replace("_", "-") for part in path)
+
+
+def _unwrap_optional(annotation: Any) -> Any:
+    origin = typing.get_origin(annotation)
+    if origin in (Union, types.UnionType):
+        args = [a for a in typing.get_args(annotation) if a is not type(None)]
+        if len(args) == 1:
+            return args[0]
+    return annotation
+
+
+def add_config_arguments(parser: argparse.ArgumentParser, model: type[BaseModel], prefix: tuple[str, ...] = ()) -> None:
+    """Add one flag per field of ``model`` (recursing into sections) to ``parser``.
+
+    Values stay strings (pydantic converts and validates them, so errors name the field); flags
+    that are not given leave no attribute, so TOML values and defaults survive.
+    """
+    for name, field in model.model_fields.items():
+        path = prefix + (name,)
+        annotation = _unwrap_optional(field.annotation)
+        if isinstance(annotation, type) and issubclass(annotation, BaseModel):
+            group = parser.add_argument_group(f"[{name}] {annotation.__doc__.splitlines()[0]}")
+            add_config_arguments(group, annotation, path)
+            continue
+        extra = field.json_schema_extra if isinstance(field.json_schema_extra, dict) else {}
+        flags = list(extra.get("flags", [flag_for(path)])) + ALIASES.get(path, [])
+        dest = "cfg__" + "__".join(path)
+        default = field.get_default(call_default_factory=True)
+        help_text = (field.description or "") + (f" (default: {default})" if default not in ("", None, []) else "")
+        kwargs: dict[str, Any] = dict(dest=dest, default=argparse.SUPPRESS, help=help_text)
+        origin = typing.get_origin(annotation)
+        if annotation is bool:
+            kwargs["action"] = argparse.BooleanOptionalAction
+        elif origin is list:
+            kwargs["nargs"] = "+"
+            kwargs["metavar"] = name.upper().rstrip("S")
+        elif origin is Literal:
+            kwargs["choices"] = list(typing.get_args(annotation))
+        else:
+            kwargs["metavar"] = {int: "N", float: "X", str: "TEXT"}.get(annotation, "VALUE")
+        parser.add_argument(*flags, **kwargs)
+
+
+def _cli_overrides(namespace: argparse.Namespace) -> dict[str, Any]:
+    overrides: dict[str, Any] = {}
+    for key, value in vars(namespace).items():
+        if not key.startswith("cfg__"):
+            continue
+        node = overrides
+        *parents, leaf = key[len("cfg__") :].split("__")
+        for part in parents:
+            node = node.setdefault(part, {})
+        node[leaf] = value
+    return overrides
+
+
+def _deep_merge(base: dict[str, Any], update: dict[str, Any]) -> dict[str, Any]:
+    merged = dict(base)
+    for key, value in update.items():
+        if isinstance(value, dict) and isinstance(merged.get(key), dict):
+            merged[key] = _deep_merge(merged[key], value)
+        else:
+            merged[key] = value
+    return merged
+
+
+def load_toml(path: str) -> dict[str, Any]:
+    """Read a TOML config file; raises ConfigError if it is missing or malformed."""
+    file = Path(path)
+    try:
+        with file.open("rb") as f:
+            return tomllib.load(f)
+    except FileNotFoundError:
+        raise ConfigError(f"config file {path} does not exist")
+    except PermissionError:
+        raise ConfigError(f"config file {path} is not readable (permission denied)")
+    except IsADirectoryError:
+        raise ConfigError(f"config file {path} is a folder, expected a .toml file")
+    except tomllib.TOMLDecodeError as e:
+        raise ConfigError(f"config file {path} is not valid TOML: {e}")
+
+
+def format_validation_error(error: ValidationError) -> str:
+    """One line per problem, each naming the field (dotted), its flag and the value given."""
+    lines = []
+    for item in error.errors():
+        loc = tuple(str(part) for part in item["loc"])
+        message = item["msg"].removeprefix("Value error, ")
+        if loc:
+            given = item.get("input")
+            given_text = "" if isinstance(given, dict) else f" (got {given!r})"
+            lines.append(f"invalid {'.'.join(loc)} ({flag_for(loc)}): {message}{given_text}")
+        else:
+            lines.append(f"invalid configuration: {message}")
+    return "; ".join(lines)
+
+
+def build_config(model: type[BaseModel], namespace: argparse.Namespace, config_file: str = "") -> Any:
+    """Defaults, then the TOML file, then flags; returns a validated ``model`` or raises ConfigError."""
+    data = load_toml(config_file) if config_file else {}
+    data = _deep_merge(data, _cli_overrides(namespace))
+    try:
+        return model.model_validate(data)
+    except ValidationError as e:
+        raise ConfigError(format_validation_error(e)) from None

@@ -1,0 +1,272 @@
+"""The learner: the inner loop of one island on its device (DESIGN.md, "Learner").
+
+It never waits on the network. Between two inner steps it answers the syncer's snapshot requests
+(copies of one fragment's parameters) and applies finished rounds; everything else happens in the
+syncer's threads and hivemind's processes.
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+import math
+import queue
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Callable, Optional, Sequence
+
+import torch
+import torch.nn.functional as F
+
+from p2p_diloco import outer
+from p2p_diloco.config import InnerConfig
+from p2p_diloco.fragments import FragmentLayout
+from p2p_diloco.syncer import OuterUpdate, Snapshot
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class _SnapshotRequest:
+    fragment: int
+    done: threading.Event = field(default_factory=threading.Event)
+    lock: threading.Lock = field(default_factory=threading.Lock)
+    cancelled: bool = False
+    result: Optional[Snapshot] = None
+
+
+@dataclass
+class LearnerStats:
+    """Counters read by the progress reporter and the summary (written by the learner thread only)."""
+
+    inner_steps: int = 0
+    tokens: int = 0
+    loss: Optional[float] = None  # last step
+    loss_ema: Optional[float] = None
+    loss_first: Optional[float] = None
+    eval_loss: Optional[float] = None
+    eval_loss_first: Optional[float] = None
+    first_step_start: float = 0.0  # wall clock, seconds since the epoch
+    last_step_end: float = 0.0
+    inner_time: float = 0.0  # seconds spent inside inner steps
+    updates_applied: int = 0
+
+    @property
+    def wall_time(self) -> float:
+        return max(0.0, self.last_step_end - self.first_step_start) if self.first_step_start else 0.0
+
+    @property
+    def utilization(self) -> float:
+        """Compute utilization: time in inner steps / wall time since the first step (DESIGN.md)."""
+        wall = self.wall_time
+        return min(1.0, self.inner_time / wall) if wall > 0 else 0.0
+
+
+class Learner:
+    """Inner AdamW training of one model replica.
+
+    :param model: the causal LM, already on ``device``
+    :param layout: fragment layout over ``model.named_parameters()``
+    :param next_batch: returns a (B, T+1) int64 CPU tensor of token windows
+    :param eval_data: fixed held-out (B, T+1) batches
+    :param slowdown: each inner step is stretched to this many times its compute time (>= 1)
+    :param events: callable taking an event dict (the JSONL log)
+    """
+
+    def __init__(
+        self,
+        *,
+        model: torch.nn.Module,
+        layout: FragmentLayout,
+        next_batch: Callable[[], torch.Tensor],
+        eval_data: Sequence[torch.Tensor],
+        device: torch.device,
+        inner: InnerConfig,
+        slowdown: float = 1.0,
+        events: Callable[[dict], None] = lambda event: None,
+    ):
+        self.model, self.layout, self.next_batch, self.eval_data = model, layout, next_batch, list(eval_data)
+        self.device, self.slowdown, self.events = device, slowdown, events
+        named = dict(model.named_parameters())
+        self.fragment_params = [[named[name] for name in names] for names in layout.fragments]
+        decay = [p for p in model.parameters() if p.dim() >= 2]
+        no_decay = [p for p in model.parameters() if p.dim() < 2]
+        self.optimizer = torch.optim.AdamW(
+            [{"params": decay, "weight_decay": inner.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
+            lr=inner.lr, betas=(inner.beta1, inner.beta2), eps=1e-8,
+        )
+        warmup = inner.warmup_steps
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(
+            self.optimizer, lambda step: min(1.0, (step + 1) / warmup) if warmup else 1.0
+        )
+        self.grad_clip = inner.grad_clip
+        self.autocast = device.type == "cuda"
+        self.stats = LearnerStats()
+        self.tokens_since = [0] * layout.num_fragments
+        self.steps_since = [0] * layout.num_fragments
+        self._requests: "queue.SimpleQueue[_SnapshotRequest]" = queue.SimpleQueue()
+        self._updates: "queue.SimpleQueue[OuterUpdate]" = queue.SimpleQueue()
+        self._accepting = True
+        self._step_time_ema = 0.0
+        self._throughput = collections.deque(maxlen=64)  # (time, tokens)
+
+    # ------------------------------------------------------------ syncer side (any thread)
+
+    def request_snapshot(self, fragment: int, timeout: float) -> Optional[Snapshot]:
+        """Ask for a copy of fragment ``fragment``'s parameters, taken at the next step boundary.
+
+        Resets that fragment's token/step counters. Returns None if the learner has stopped or does
+        not reach a step boundary within ``timeout`` seconds.
+        """
+        if not self._accepting:
+            return None
+        request = _SnapshotRequest(fragment)
+        self._requests.put(request)
+        request.done.wait(timeout)
+        with request.lock:
+            request.cancelled = not request.done.is_set()  # too late: the learner will skip it
+            return request.result
+
+    def deliver(self, update: OuterUpdate) -> None:
+        """Queue a round's result; it is applied before the next inner step."""
+        self._updates.put(update)
+
+    @property
+    def step_time(self) -> float:
+        """Smoothed seconds per inner step (0 before the first)."""
+        return self._step_time_ema
+
+    def tokens_per_second(self) -> float:
+        """Tokens per second over the last steps."""
+        if len(self._throughput) < 2:
+            return 0.0
+        (t0, n0), (t1, n1) = self._throughput[0], self._throughput[-1]
+        return (n1 - n0) / (t1 - t0) if t1 > t0 else 0.0
+
+    # ------------------------------------------------------------ learner thread
+
+    @torch.no_grad()
+    def load_global(self, fragment: int, theta: Sequence[torch.Tensor]) -> None:
+        """Set fragment ``fragment``'s parameters to Theta_p (after downloading it from peers)."""
+        for param, value in zip(self.fragment_params[fragment], theta, strict=True):
+            param.copy_(value.to(param.device))
+
+    @torch.no_grad()
+    def service(self) -> None:
+        """Apply finished rounds, then answer snapshot requests (called between inner steps)."""
+        while True:
+            try:
+                update = self._updates.get_nowait()
+            except queue.Empty:
+                break
+            params = self.fragment_params[update.fragment]
+            if update.mode == "carry":
+                outer.apply_carry(params, update.tensors)
+            else:  # mix: theta <- alpha * theta + (1 - alpha) * Theta, tensors hold the second term
+                for param, scaled in zip(params, update.tensors, strict=True):
+                    param.mul_(update.alpha).add_(scaled.to(param.device))
+            self.stats.updates_applied += 1
+        while True:
+            try:
+                request = self._requests.get_nowait()
+            except queue.Empty:
+                break
+            with request.lock:
+                if request.cancelled:
+                    continue  # the syncer gave up waiting
+                p = request.fragment
+                copies = [param.detach().to("cpu", torch.float32, copy=True) for param in self.fragment_params[p]]
+                request.result = Snapshot(p, copies, self.tokens_since[p], self.steps_since[p], time.time())
+                self.tokens_since[p] = self.steps_since[p] = 0
+                request.done.set()
+
+    def train_step(self) -> float:
+        """One inner step: forward, backward, clip, AdamW. Returns the training loss."""
+        start_wall, start = time.time(), time.perf_counter()
+        if not self.stats.first_step_start:
+            self.stats.first_step_start = start_wall
+        batch = self.next_batch().to(self.device, non_blocking=True)  # (B, T+1)
+        inputs, targets = batch[:, :-1], batch[:, 1:]
+        with torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self.autocast):
+            logits = self.model(input_ids=inputs).logits  # (B, T, V)
+        loss = F.cross_entropy(logits.float().reshape(-1, logits.size(-1)), targets.reshape(-1))
+        loss.backward()
+        if self.grad_clip > 0:
+            torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.grad_clip)
+        self.optimizer.step()
+        self.scheduler.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        value = float(loss.item())
+        if self.slowdown > 1.0:
+            time.sleep((self.slowdown - 1.0) * (time.perf_counter() - start))
+        elapsed = time.perf_counter() - start
+        tokens = inputs.numel()
+        stats = self.stats
+        stats.inner_steps += 1
+        stats.tokens += tokens
+        stats.inner_time += elapsed
+        stats.last_step_end = start_wall + elapsed
+        stats.loss = value
+        if stats.loss_first is None:
+            stats.loss_first = value
+        if math.isfinite(value):
+            stats.loss_ema = value if stats.loss_ema is None else 0.9 * stats.loss_ema + 0.1 * value
+        for p in range(len(self.tokens_since)):
+            self.tokens_since[p] += tokens
+            self.steps_since[p] += 1
+        self._step_time_ema = elapsed if not self._step_time_ema else 0.9 * self._step_time_ema + 0.1 * elapsed
+        self._throughput.append((stats.last_step_end, stats.tokens))
+        self.events({"event": "step", "t": stats.last_step_end, "dt": elapsed, "step": stats.inner_steps,
+                     "tokens": stats.tokens, "loss": value})
+        return value
+
+    @torch.no_grad()
+    def evaluate(self) -> float:
+        """Mean loss over the fixed held-out batches."""
+        was_training = self.model.training
+        self.model.eval()
+        total = 0.0
+        for batch in self.eval_data:
+            batch = batch.to(self.device)
+            inputs, targets = batch[:, :-1], batch[:, 1:]
+            with torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self.autocast):
+                logits = self.model(input_ids=inputs).logits
+            total += float(F.cross_entropy(logits.float().reshape(-1, logits.size(-1)), targets.reshape(-1)))
+        self.model.train(was_training)
+        value = total / len(self.eval_data)
+        self.stats.eval_loss = value
+        if self.stats.eval_loss_first is None:
+            self.stats.eval_loss_first = value
+        self.events({"event": "eval", "step": self.stats.inner_steps, "tokens": self.stats.tokens, "eval_loss": value})
+        return value
+
+    def run(self, stop: threading.Event, *, max_steps: int = 0, max_seconds: float = 0.0,
+            eval_every: float = 60.0) -> str:
+        """Train until ``stop`` is set or a limit is reached; returns why it stopped."""
+        self.model.train()
+        last_eval = time.monotonic()
+        while True:
+            if stop.is_set():
+                return "signal"
+            if max_steps and self.stats.inner_steps >= max_steps:
+                return "max_steps"
+            if max_seconds and self.stats.first_step_start and time.time() - self.stats.first_step_start >= max_seconds:
+                return "max_minutes"
+            self.service()
+            if time.monotonic() - last_eval >= eval_every:
+                self.evaluate()
+                last_eval = time.monotonic()
+            self.train_step()
+
+    def close(self) -> None:
+        """Stop taking snapshot requests and release any that wait."""
+        self._accepting = False
+        while True:
+            try:
+                request = self._requests.get_nowait()
+            except queue.Empty:
+                break
+            with request.lock:
+                request.cancelled = True
+                request.done.set()

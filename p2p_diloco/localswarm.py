@@ -1,0 +1,218 @@
+"""Start and stop a swarm of real processes on this machine: a bootstrap node and islands on
+127.0.0.1. Used by the demo, the tests and later fault-injection runs; every process it starts is
+tracked by PID and ended by :meth:`LocalSwarm.close`."""
+
+from __future__ import annotations
+
+import json
+import os
+import select
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Optional, Sequence
+
+LOOPBACK = "/ip4/127.0.0.1/tcp/0"
+
+
+def descendants(pid: int) -> list[int]:
+    """PIDs of every live descendant of ``pid`` (from /proc; empty elsewhere)."""
+    children: dict[int, list[int]] = {}
+    for entry in os.listdir("/proc") if os.path.isdir("/proc") else []:
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                stat = f.read()
+            ppid = int(stat.rsplit(")", 1)[1].split()[1])
+            state = stat.rsplit(")", 1)[1].split()[0]
+        except (OSError, IndexError, ValueError):
+            continue
+        if state != "Z":
+            children.setdefault(ppid, []).append(int(entry))
+    found, stack = [], [pid]
+    while stack:
+        for child in children.get(stack.pop(), []):
+            found.append(child)
+            stack.append(child)
+    return found
+
+
+def pid_alive(pid: int) -> bool:
+    """True while ``pid`` exists and is not a zombie."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+@dataclass
+class Managed:
+    """One started process: its role, name, Popen handle and log file."""
+
+    name: str
+    popen: subprocess.Popen
+    log_path: Path
+    tree: list[int] = field(default_factory=list)  # last known descendants, for cleanup
+
+    @property
+    def pid(self) -> int:
+        return self.popen.pid
+
+    def alive(self) -> bool:
+        return self.popen.poll() is None
+
+    def remember_tree(self) -> None:
+        if self.alive():
+            self.tree = sorted(set(self.tree) | set(descendants(self.pid)))
+
+    def signal(self, signum: int) -> None:
+        if self.alive():
+            os.kill(self.pid, signum)
+
+    def stop(self, timeout: float = 20.0) -> Optional[int]:
+        """SIGTERM, wait up to ``timeout`` s, then SIGKILL the process and anything it left behind."""
+        self.remember_tree()
+        if self.alive():
+            self.popen.send_signal(signal.SIGTERM)
+            try:
+                self.popen.wait(timeout)
+            except subprocess.TimeoutExpired:
+                self.popen.kill()
+                self.popen.wait(5)
+        self.reap_leftovers()
+        return self.popen.returncode
+
+    def reap_leftovers(self, grace: float = 5.0) -> list[int]:
+        """SIGKILL descendants that outlived the process (there should be none); returns their PIDs."""
+        deadline = time.monotonic() + grace
+        while time.monotonic() < deadline and any(pid_alive(pid) for pid in self.tree):
+            time.sleep(0.1)
+        leftovers = [pid for pid in self.tree if pid_alive(pid)]
+        for pid in leftovers:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except OSError:
+                pass
+        return leftovers
+
+
+class LocalSwarm:
+    """A bootstrap node and islands on 127.0.0.1, each a ``python -m p2p_diloco`` process.
+
+    :param workdir: logs, keys, summaries and event logs go here
+    :param run_id: the run the islands join
+    :param env: extra environment variables for every process
+    """
+
+    def __init__(self, workdir: str | Path, run_id: str = "local", env: Optional[dict] = None):
+        self.workdir = Path(workdir)
+        self.workdir.mkdir(parents=True, exist_ok=True)
+        self.run_id = run_id
+        self.env = os.environ.copy() | {"PYTHONUNBUFFERED": "1"} | (env or {})
+        self.bootstrap: Optional[Managed] = None
+        self.initial_peers: list[str] = []
+        self.islands: dict[str, Managed] = {}
+
+    def _spawn(self, name: str, args: Sequence[str], *, stdout=None) -> Managed:
+        log_path = self.workdir / f"{name}.log"
+        log = open(log_path, "ab")
+        popen = subprocess.Popen(
+            [sys.executable, "-m", "p2p_diloco", *args], stdout=stdout or log, stderr=log, env=self.env,
+            start_new_session=True,  # a Ctrl+C in the terminal reaches the launcher only; it stops us in order
+        )
+        log.close()
+        return Managed(name, popen, log_path)
+
+    def start_bootstrap(self, *extra: str, timeout: float = 60.0) -> list[str]:
+        """Start the bootstrap node and return its INITIAL_PEERS (read from its first stdout line).
+
+        :raises RuntimeError: if it exits or prints nothing within ``timeout`` seconds
+        """
+        self.bootstrap = self._spawn(
+            "bootstrap",
+            ["bootstrap", "--host-maddrs", LOOPBACK, "--identity-path", str(self.workdir / "bootstrap.key"),
+             "--run-id", self.run_id, *extra],
+            stdout=subprocess.PIPE,
+        )
+        line = read_line(self.bootstrap.popen, timeout)
+        if not line.startswith("INITIAL_PEERS="):
+            raise RuntimeError(f"bootstrap did not start: {line!r}; see {self.bootstrap.log_path}")
+        self.initial_peers = line.split("=", 1)[1].split()
+        return self.initial_peers
+
+    def start_island(self, name: str, *extra: str, initial_peers: Optional[Sequence[str]] = None) -> Managed:
+        """Start an island that writes ``<name>.summary.json`` and ``<name>.events.jsonl`` in workdir."""
+        peers = list(self.initial_peers if initial_peers is None else initial_peers)
+        args = ["peer", "--run-id", self.run_id, "--island", name, "--host-maddrs", LOOPBACK,
+                "--summary-json", str(self.summary_path(name)), "--log-jsonl", str(self.events_path(name))]
+        if peers:
+            args += ["--initial-peers", *peers]
+        island = self._spawn(name, [*args, *extra])
+        self.islands[name] = island
+        return island
+
+    def summary_path(self, name: str) -> Path:
+        return self.workdir / f"{name}.summary.json"
+
+    def events_path(self, name: str) -> Path:
+        return self.workdir / f"{name}.events.jsonl"
+
+    def summary(self, name: str) -> Optional[dict]:
+        path = self.summary_path(name)
+        return json.loads(path.read_text()) if path.exists() else None
+
+    def remember_trees(self) -> None:
+        """Record every process's descendants (call while they run) so close() can verify cleanup."""
+        for managed in self.all():
+            managed.remember_tree()
+
+    def all(self) -> list[Managed]:
+        return list(self.islands.values()) + ([self.bootstrap] if self.bootstrap else [])
+
+    def wait_islands(self, timeout: float) -> dict[str, Optional[int]]:
+        """Wait for every island to exit on its own; returns exit codes (None: still running)."""
+        deadline = time.monotonic() + timeout
+        for island in self.islands.values():
+            try:
+                island.popen.wait(max(0.0, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                pass
+        return {name: island.popen.poll() for name, island in self.islands.items()}
+
+    def close(self, timeout: float = 20.0) -> list[int]:
+        """Stop every island, then the bootstrap node; returns PIDs that had to be force-killed."""
+        self.remember_trees()
+        leftovers = []
+        for island in self.islands.values():
+            if island.alive():
+                island.popen.send_signal(signal.SIGTERM)
+        for island in self.islands.values():
+            island.stop(timeout)
+            leftovers += island.reap_leftovers()
+        if self.bootstrap is not None:
+            self.bootstrap.stop(timeout)
+            leftovers += self.bootstrap.reap_leftovers()
+        return leftovers
+
+
+def read_line(popen: subprocess.Popen, timeout: float) -> str:
+    """The next stdout line of ``popen`` (text), or "" on timeout or exit."""
+    deadline = time.monotonic() + timeout
+    buffer = b""
+    while time.monotonic() < deadline:
+        ready, _, _ = select.select([popen.stdout], [], [], 0.2)
+        if ready:
+            chunk = os.read(popen.stdout.fileno(), 1)
+            if not chunk:
+                break
+            buffer += chunk
+            if chunk == b"\n":
+                break
+        elif popen.poll() is not None:
+            break
+    return buffer.decode(errors="replace").strip()

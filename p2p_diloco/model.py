@@ -1,0 +1,130 @@
+"""Model presets, construction and the run fingerprint.
+
+Models are Llama-style causal LMs built by ``transformers`` from a config (no weights are downloaded);
+every island builds the same initial weights from ``model.seed``.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import asdict, dataclass
+
+import torch
+
+from p2p_diloco.config import ModelConfig, OuterConfig
+
+PROTOCOL_VERSION = 1  # bump when the wire format of rounds or state downloads changes
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """Resolved architecture and training shapes of a preset (with the user's overrides applied)."""
+
+    hidden_size: int
+    num_layers: int
+    num_heads: int
+    intermediate_size: int
+    vocab_size: int
+    seq_len: int
+    batch_size: int  # sequences per inner step unless inner.batch_size overrides it
+
+
+PRESETS: dict[str, ModelSpec] = {
+    # ~1.07M parameters with tied embeddings: fits a CPU core
+    "tiny": ModelSpec(hidden_size=128, num_layers=4, num_heads=4, intermediate_size=352, vocab_size=2048,
+                      seq_len=128, batch_size=16),
+    # ~24M parameters
+    "small": ModelSpec(hidden_size=512, num_layers=6, num_heads=8, intermediate_size=1408, vocab_size=8192,
+                       seq_len=256, batch_size=32),
+    # ~151M parameters
+    "base": ModelSpec(hidden_size=896, num_layers=14, num_heads=14, intermediate_size=2432, vocab_size=16384,
+                      seq_len=512, batch_size=32),
+}
+
+
+def resolve_spec(config: ModelConfig) -> ModelSpec:
+    """The preset named by ``config.preset`` with every non-empty override applied.
+
+    Raises ValueError if hidden_size is not divisible by num_heads.
+    """
+    base = asdict(PRESETS[config.preset])
+    for key in ("hidden_size", "num_layers", "num_heads", "intermediate_size", "vocab_size", "seq_len"):
+        value = getattr(config, key)
+        if value is not None:
+            base[key] = value
+    spec = ModelSpec(**base)
+    if spec.hidden_size % spec.num_heads:
+        raise ValueError(
+            f"model.hidden_size ({spec.hidden_size}) must be divisible by model.num_heads ({spec.num_heads})"
+        )
+    return spec
+
+
+def llama_config(spec: ModelSpec, vocab_size: int):
+    """The transformers ``LlamaConfig`` of a spec; ``vocab_size`` is the tokenizer's actual size."""
+    from transformers import LlamaConfig
+
+    return LlamaConfig(
+        vocab_size=vocab_size,
+        hidden_size=spec.hidden_size,
+        intermediate_size=spec.intermediate_size,
+        num_hidden_layers=spec.num_layers,
+        num_attention_heads=spec.num_heads,
+        num_key_value_heads=spec.num_heads,
+        max_position_embeddings=spec.seq_len,
+        tie_word_embeddings=True,
+        attention_dropout=0.0,
+        rms_norm_eps=1e-5,
+    )
+
+
+def build_model(spec: ModelSpec, vocab_size: int, seed: int) -> torch.nn.Module:
+    """A freshly initialised ``LlamaForCausalLM`` (fp32 parameters, on the CPU).
+
+    The same (spec, vocab_size, seed) gives bitwise identical weights on every island, so islands
+    that start together begin from the same Theta without downloading it.
+    """
+    from transformers import LlamaForCausalLM
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.set_verbosity_error()
+    config = llama_config(spec, vocab_size)
+    config._attn_implementation = "sdpa"
+    generator_state = torch.random.get_rng_state()
+    torch.manual_seed(seed)
+    try:
+        model = LlamaForCausalLM(config)
+    finally:
+        torch.random.set_rng_state(generator_state)
+    return model.float()
+
+
+def count_parameters(model: torch.nn.Module) -> int:
+    """Number of distinct parameter elements (tied weights counted once)."""
+    return sum(p.numel() for p in model.parameters())
+
+
+def run_fingerprint(spec: ModelSpec, vocab_size: int, seed: int, tokenizer_sha: str, outer: OuterConfig) -> str:
+    """A 16-hex-digit hash of everything islands must share to average together.
+
+    Covers the architecture, the tokenizer (sha256 of its JSON), the init seed and the outer-loop
+    fields that decide the global parameters (fragments, period, outer optimizer, delta clip), plus
+    the wire protocol version. Inner-loop settings (lr, batch) may differ between islands.
+    """
+    payload = {
+        "protocol": PROTOCOL_VERSION,
+        "arch": asdict(spec) | {"vocab_size": vocab_size, "batch_size": None},
+        "seed": seed,
+        "tokenizer": tokenizer_sha,
+        "outer": {
+            "fragments": outer.fragments,
+            "period": outer.period,
+            "lr": outer.lr,
+            "momentum": outer.momentum,
+            "nesterov": outer.nesterov,
+            "max_delta": outer.max_delta,
+        },
+    }
+    blob = json.dumps(payload, sort_keys=True).encode()
+    return hashlib.sha256(blob).hexdigest()[:16]

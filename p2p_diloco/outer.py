@@ -1,0 +1,191 @@
+"""The outer-loop maths, with no networking: pseudo-gradients, weights, the outer optimizer, how a
+round's result lands on the island, and the exact-average encoding used on the wire.
+
+All tensors here are fp32 CPU tensors given as sequences in fragment order.
+
+Determinism: members of a round must end with bitwise identical global parameters, including on
+different CPUs. Every update below is therefore written as separate multiplies and adds (each
+rounded once, as IEEE 754 prescribes), never as ``add(..., alpha=x)`` or ``addcmul``, which some
+kernels fuse into one FMA on some processors and not on others.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+from typing import Iterable, Sequence
+
+import torch
+
+Tensors = Sequence[torch.Tensor]
+
+
+def pseudo_gradient(global_params: Tensors, local_params: Tensors) -> list[torch.Tensor]:
+    """Delta = Theta - theta: the outer gradient of one island (arXiv 2311.08105, Alg. 1, line 12).
+
+    Positive where local training moved a parameter down, so ``Theta - lr * Delta`` moves Theta the
+    way the island moved. Shapes and dtypes follow the inputs (fp32).
+    """
+    return [theta_global - theta_local for theta_global, theta_local in zip(global_params, local_params, strict=True)]
+
+
+def token_weight(tokens: int, steps: int) -> float:
+    """Merge weight of one contribution: tokens^2 / steps, "quantity x quality"
+    (Decoupled DiLoCo, arXiv 2604.21428, token-weighted merging).
+
+    An island that trained more tokens, or larger batches per step, weighs more; no steps weighs 0.
+
+    :param tokens: tokens trained since this fragment's last contribution
+    :param steps: inner steps taken in that time
+    """
+    if steps <= 0 or tokens <= 0:
+        return 0.0
+    return float(tokens) * float(tokens) / float(steps)
+
+
+def weighted_mean(deltas: Sequence[Tensors], weights: Sequence[float]) -> list[torch.Tensor]:
+    """Reference weighted mean sum(w_i * Delta_i) / sum(w_i) of several islands' pseudo-gradients.
+
+    What a round's all-reduce computes (hivemind's weighted average); used by tests and by the
+    fallback of a group of one. Raises ValueError when the weights sum to zero.
+    """
+    total = float(sum(weights))
+    if total <= 0.0:
+        raise ValueError("weights sum to zero: nothing to average")
+    merged = []
+    for parts in zip(*deltas, strict=True):
+        acc = torch.zeros_like(parts[0])
+        for part, weight in zip(parts, weights, strict=True):
+            acc += part * weight
+        merged.append(acc / total)
+    return merged
+
+
+@torch.no_grad()
+def outer_step(
+    params: Tensors,
+    outer_grads: Tensors,
+    momentum_buffers: Tensors,
+    *,
+    lr: float,
+    momentum: float,
+    nesterov: bool,
+) -> None:
+    """One outer SGD step in place: Theta <- Theta - lr * d (arXiv 2311.08105, Alg. 1, line 14).
+
+    Same update as ``torch.optim.SGD(lr, momentum, nesterov)`` with zero-initialised buffers:
+    m <- momentum * m + g; d = g + momentum * m (Nesterov) or d = m. With momentum 0 it is plain
+    averaging (FedAvg with server lr ``lr``).
+
+    :param params: global parameters Theta_p (fp32), updated in place
+    :param outer_grads: merged pseudo-gradients, same shapes
+    :param momentum_buffers: outer momentum m_p, same shapes, updated in place
+    """
+    for param, grad, buf in zip(params, outer_grads, momentum_buffers, strict=True):
+        buf.mul_(momentum).add_(grad)
+        direction = grad + buf * momentum if nesterov else buf
+        param.sub_(direction * lr)
+
+
+@torch.no_grad()
+def carry_correction(new_global: Tensors, base: Tensors) -> list[torch.Tensor]:
+    """What to add to the island's live parameters so they become Theta_new + (theta_now - base).
+
+    ``base`` is the snapshot whose progress went into the round: the inner progress made after it
+    (while the round ran) is kept on top of the new global parameters.
+    """
+    return [theta_new - theta_base for theta_new, theta_base in zip(new_global, base, strict=True)]
+
+
+@torch.no_grad()
+def apply_carry(local: Tensors, correction: Tensors) -> None:
+    """theta <- theta + (Theta_new - base), in place (see :func:`carry_correction`)."""
+    for param, delta in zip(local, correction, strict=True):
+        param.add_(delta.to(device=param.device, dtype=param.dtype, non_blocking=True))
+
+
+@torch.no_grad()
+def apply_mix(local: Tensors, new_global: Tensors, alpha: float) -> None:
+    """theta <- alpha * theta + (1 - alpha) * Theta_new, in place (Streaming DiLoCo, arXiv 2501.18512,
+    Sec. 2.3; alpha = 0 replaces the local parameters, alpha = 0.5 is the paper's choice)."""
+    for param, theta_new in zip(local, new_global, strict=True):
+        theta_new = theta_new.to(device=param.device, dtype=param.dtype, non_blocking=True)
+        param.mul_(alpha).add_(theta_new * (1.0 - alpha))
+
+
+# ------------------------------------------------------------------------------------------------
+# exact averaging on the wire
+
+
+def wire_offset(max_delta: float) -> float:
+    """The power of two C >= 4 * max_delta that pseudo-gradients are shifted by on the wire."""
+    return 2.0 ** math.ceil(math.log2(4.0 * max_delta))
+
+
+@torch.no_grad()
+def encode_for_wire(delta: Tensors, out: Tensors, offset: float) -> int:
+    """out <- C + clamp(Delta, -C/4, C/4): what a member puts into the averaged tensors.
+
+    hivemind's all-reduce hands each member ``y_i + (avg - y_i)``, computed in fp32. Because every
+    value lies in [0.75 C, 1.25 C], within a factor of two of every other, ``avg - y_i`` is exact
+    (Sterbenz lemma) and so is ``y_i + (avg - y_i) == avg``: all members receive the same bits, so
+    members that start from the same Theta end with the same Theta. The price is absolute precision
+    of C * 2^-24 on each element.
+
+    :returns: the number of elements that were clipped to +-C/4
+    """
+    bound = offset / 4.0
+    clipped = 0
+    for source, target in zip(delta, out, strict=True):
+        clipped += int((source.abs() > bound).sum())
+        torch.clamp(source, -bound, bound, out=target)
+        target.add_(offset)
+    return clipped
+
+
+@torch.no_grad()
+def decode_from_wire(averaged: Tensors, offset: float) -> list[torch.Tensor]:
+    """The merged pseudo-gradient avg - C (exact, by the same argument as :func:`encode_for_wire`)."""
+    return [tensor - offset for tensor in averaged]
+
+
+# ------------------------------------------------------------------------------------------------
+# identity of global parameters
+
+
+def tensors_hash(tensors: Iterable[torch.Tensor]) -> str:
+    """A 16-hex-digit blake2b hash of the tensors' bytes (shapes included), e.g. to compare Theta_p."""
+    digest = hashlib.blake2b(digest_size=8)
+    for tensor in tensors:
+        tensor = tensor.detach().to("cpu").contiguous()
+        digest.update(str(tuple(tensor.shape)).encode())
+        if tensor.numel():
+            digest.update(memoryview(tensor.numpy()).cast("B"))
+    return digest.hexdigest()
+
+
+def all_finite(tensors: Iterable[torch.Tensor]) -> bool:
+    """True when no element is NaN or infinite."""
+    return all(bool(torch.isfinite(tensor).all()) for tensor in tensors)
+
+
+def canonical_base(bases: Sequence[tuple[int, str]]) -> tuple[int, str]:
+    """The base (version, Theta hash) a round's result is applied to.
+
+    The newest version wins; among forks of that version, the one most members hold; then the
+    smaller hash. Every member computes the same answer from the same gathered metadata; members
+    whose base differs reload the fragment from a member holding the result (DESIGN.md, syncer
+    step 4).
+
+    :raises ValueError: if ``bases`` is empty
+    """
+    if not bases:
+        raise ValueError("no bases to choose from")
+    counts: dict[tuple[int, str], int] = {}
+    for base in bases:
+        counts[base] = counts.get(base, 0) + 1
+    return max(counts, key=lambda base: (base[0], counts[base], _reverse(base[1])))
+
+
+def _reverse(text: str) -> tuple[int, ...]:
+    return tuple(-ord(ch) for ch in text)

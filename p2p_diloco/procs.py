@@ -1,0 +1,77 @@
+"""Process hygiene: every helper process we fork dies with us, and signals become a stop event.
+
+hivemind runs the DHT and each averager in forked processes, and the DHT process runs p2pd. If an
+island is SIGKILLed those children would otherwise live on (a "dead" island that still answers).
+:func:`install_child_hooks` makes the kernel kill every forked child when its parent dies
+(``PR_SET_PDEATHSIG``) and moves it to its own process group, so a terminal's Ctrl+C reaches only the
+main process, which then shuts the children down in order. p2pd exits when its DHT process does.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+import os
+import signal
+import sys
+import threading
+
+logger = logging.getLogger(__name__)
+
+_PR_SET_PDEATHSIG = 1
+_installed = False
+_forking_pid: int | None = None
+
+
+def _before_fork() -> None:
+    global _forking_pid
+    _forking_pid = os.getpid()
+
+
+def _after_fork_in_child() -> None:
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+        os.setpgid(0, 0)
+    except Exception:  # not Linux, or no prctl: children then rely on hivemind's own shutdown
+        pass
+    if _forking_pid is not None and os.getppid() != _forking_pid:
+        os._exit(1)  # the parent died between fork and prctl
+
+
+def install_child_hooks() -> None:
+    """Register the fork hooks once per process (call from ``main()`` before starting hivemind).
+
+    Children must be forked from the main thread: the kernel sends the parent-death signal when the
+    forking *thread* exits.
+    """
+    global _installed
+    if not _installed and sys.platform.startswith("linux"):
+        os.register_at_fork(before=_before_fork, after_in_child=_after_fork_in_child)
+        _installed = True
+
+
+class StopSignal:
+    """SIGINT/SIGTERM set :attr:`event`; a second signal exits at once (code 130).
+
+    hivemind's averager sets SIGINT to "ignore" in the calling process when it starts, so call
+    :meth:`install` again after creating averagers.
+    """
+
+    def __init__(self) -> None:
+        self.event = threading.Event()
+        self.received: str | None = None
+
+    def install(self) -> "StopSignal":
+        signal.signal(signal.SIGINT, self._handle)
+        signal.signal(signal.SIGTERM, self._handle)
+        return self
+
+    def _handle(self, signum, _frame) -> None:
+        name = signal.Signals(signum).name
+        if self.event.is_set():
+            logger.warning("second %s: exiting now", name)
+            os._exit(130)
+        self.received = name
+        logger.info("%s received: finishing the current step and shutting down (again to force)", name)
+        self.event.set()

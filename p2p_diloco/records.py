@@ -1,0 +1,113 @@
+"""Signed, schema-validated, expiring progress records, one per island.
+
+Like hivemind's ProgressTracker, every island stores its record under ``{run_id}_progress`` with the
+island's public key as subkey: ``RSASignatureValidator`` signs it (nobody else can overwrite it),
+``SchemaValidator`` rejects malformed values on every peer, and the record expires unless refreshed.
+Observers (``p2p-diloco status``, the demo) show only what is in these records.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from typing import Dict, List, Optional
+
+from hivemind.dht.schema import BytesWithPublicKey, RSASignatureValidator, SchemaValidator
+from hivemind.utils import ValueWithExpiration, get_dht_time
+from pydantic.v1 import BaseModel, StrictFloat, StrictStr, confloat, conint
+
+logger = logging.getLogger(__name__)
+
+Count = conint(ge=0, strict=True)
+
+
+class IslandProgress(BaseModel):
+    """What one island publishes every ``progress_period`` seconds (DESIGN.md, DHT records)."""
+
+    island: StrictStr
+    peer_id: StrictStr
+    fingerprint: StrictStr
+    device: StrictStr
+    state: StrictStr  # loading | training | stopping
+    maddrs: List[StrictStr]
+    inner_step: Count
+    tokens: Count
+    tokens_per_second: confloat(ge=0.0, strict=True)
+    loss: Optional[StrictFloat]  # EMA of the training loss
+    eval_loss: Optional[StrictFloat]
+    fragment_versions: List[Count]
+    fragment_hashes: List[StrictStr]
+    rounds_ok: Count
+    rounds_failed: Count
+    bytes_sent: Count
+    bytes_received: Count
+    utilization: confloat(ge=0.0, le=1.0, strict=True)  # time in inner steps / wall time since first step
+    started: StrictFloat  # wall-clock time of the first inner step (0 before it)
+    time: StrictFloat  # wall-clock time of this record
+
+
+class ProgressSchema(BaseModel):
+    progress: Dict[BytesWithPublicKey, Optional[IslandProgress]]
+
+
+def progress_key(run_id: str) -> str:
+    """The DHT key holding a run's progress records."""
+    return f"{run_id}_progress"
+
+
+def make_validators(run_id: str) -> tuple[list, bytes]:
+    """Validators to pass to ``hivemind.DHT(record_validators=...)`` and this process's public key."""
+    signature = RSASignatureValidator()
+    return [SchemaValidator(ProgressSchema, prefix=run_id), signature], signature.local_public_key
+
+
+class ProgressBoard:
+    """Reads (and, for islands, writes) a run's progress records.
+
+    :param dht: a running ``hivemind.DHT`` created with :func:`make_validators`'s validators
+    :param public_key: this process's public key (the subkey of its own record)
+    """
+
+    def __init__(self, dht, run_id: str, public_key: bytes, *, timeout: float = 10.0):
+        self.dht, self.key, self.public_key, self.timeout = dht, progress_key(run_id), public_key, timeout
+        self._lock = threading.Lock()
+
+    def publish(self, record: IslandProgress, ttl: float) -> bool:
+        """Store this island's record for ``ttl`` seconds; False if the DHT did not accept it in time."""
+        return self._store(record.dict(), get_dht_time() + ttl)
+
+    def withdraw(self) -> bool:
+        """Replace this island's record by an empty one so observers drop it at once."""
+        return self._store(None, get_dht_time() + self.timeout)
+
+    def _store(self, value, expiration_time: float) -> bool:
+        try:
+            with self._lock:
+                future = self.dht.store(
+                    self.key, subkey=self.public_key, value=value, expiration_time=expiration_time, return_future=True
+                )
+            return bool(future.result(timeout=self.timeout))
+        except Exception as e:  # a dead daemon during shutdown, a timeout
+            logger.debug("could not store progress record: %r", e)
+            return False
+
+    def read(self) -> list[IslandProgress]:
+        """Every live, valid island record of the run (expired and withdrawn ones are left out)."""
+        try:
+            with self._lock:
+                future = self.dht.get(self.key, latest=True, return_future=True)
+            found = future.result(timeout=self.timeout)
+        except Exception as e:
+            logger.debug("could not read progress records: %r", e)
+            return []
+        if not isinstance(found, ValueWithExpiration) or not isinstance(found.value, dict):
+            return []
+        records = []
+        for entry in found.value.values():
+            if not isinstance(entry, ValueWithExpiration) or entry.value is None:
+                continue
+            try:
+                records.append(IslandProgress.parse_obj(entry.value))
+            except Exception:
+                logger.debug("skipping a malformed progress record")
+        return sorted(records, key=lambda r: r.island)

@@ -1,0 +1,458 @@
+"""The syncer: the island's copy of the global parameters Theta, the outer optimizer state and the
+fragment versions, and the outer rounds that update them (DESIGN.md, "Syncer").
+
+One background thread per fragment waits for that fragment's slot on the swarm-wide clock, takes a
+snapshot of the island's parameters from the learner (at a step boundary, without waiting), runs the
+averaging round through hivemind, applies the outer step and hands the result back. Nothing here
+blocks the inner loop: a round that fails or finds nobody falls back to the island's own
+pseudo-gradient (a group of one), and a round that is late only delivers its result later.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from concurrent.futures import TimeoutError as FutureTimeout
+from dataclasses import dataclass, field
+from typing import Callable, Optional, Protocol, Sequence
+
+import torch
+
+from p2p_diloco import outer
+from p2p_diloco.config import OuterConfig
+from p2p_diloco.fragments import FragmentLayout
+from p2p_diloco.schedule import RoundClock, RoundSlot
+
+logger = logging.getLogger(__name__)
+
+WEIGHT_UNIT = 1e6  # token weights are sent in units of 10^6 (tokens^2 / step) to stay well inside fp32
+LISTENER_WEIGHT = 1e-12  # weight of a member with nothing to contribute: it only receives the result
+
+
+@dataclass
+class Snapshot:
+    """The island's parameters of one fragment at a step boundary, and what produced them."""
+
+    fragment: int
+    params: list[torch.Tensor]  # fp32 CPU copies, fragment order
+    tokens: int  # tokens trained since this fragment's previous snapshot
+    steps: int  # inner steps in that time
+    time: float
+
+
+@dataclass
+class OuterUpdate:
+    """A new Theta_p for the learner to apply at its next step boundary.
+
+    ``mode == "carry"``: add ``tensors`` (Theta_new - base) to the live parameters.
+    ``mode == "mix"``: theta <- alpha * theta + ``tensors`` (already (1 - alpha) * Theta_new).
+    """
+
+    fragment: int
+    mode: str
+    tensors: list[torch.Tensor]
+    alpha: float
+    version: int
+    reason: str  # round | fallback | reload
+
+
+class LearnerLink(Protocol):
+    """What the syncer needs from the learner; both calls are safe from any thread."""
+
+    def request_snapshot(self, fragment: int, timeout: float) -> Optional[Snapshot]: ...
+
+    def deliver(self, update: OuterUpdate) -> None: ...
+
+    @property
+    def step_time(self) -> float: ...
+
+
+@dataclass
+class FragmentState:
+    """Theta_p, its outer momentum m_p, version v_p and hash; replaced as a whole, never mutated."""
+
+    theta: list[torch.Tensor]
+    momentum: list[torch.Tensor]
+    version: int
+    hash: str
+    support: int = 1  # members of the last round that shared this state's base (donor priority)
+
+
+@dataclass
+class SyncerStats:
+    rounds_ok: int = 0  # rounds that formed a group of 2+ and averaged
+    rounds_failed: int = 0  # rounds that fell back to the island's own pseudo-gradient
+    rounds_skipped: int = 0  # slots missed (no snapshot in time, a round still in flight, lagging)
+    reloads: int = 0  # fragments downloaded from peers after joining
+    bytes_sent: int = 0
+    bytes_received: int = 0
+    clipped: int = 0
+    group_sizes: list[int] = field(default_factory=list)
+
+
+class Syncer:
+    """Outer rounds of one island, one background thread per fragment.
+
+    :param layout: fragment layout (parameter names per fragment)
+    :param shapes: ``shapes[p]`` are the parameter shapes of fragment p, in layout order
+    :param learner: gives snapshots and takes updates
+    :param events: callable taking an event dict (the island's JSONL log)
+    :param swarm_versions: returns the fragment versions that other live islands report
+    """
+
+    def __init__(
+        self,
+        *,
+        run_id: str,
+        fingerprint: str,
+        island: str,
+        config: OuterConfig,
+        layout: FragmentLayout,
+        shapes: Sequence[Sequence[torch.Size]],
+        learner: LearnerLink,
+        events: Callable[[dict], None],
+        swarm_versions: Callable[[], list[list[int]]],
+    ):
+        self.run_id, self.fingerprint, self.island, self.config = run_id, fingerprint, island, config
+        self.layout, self.shapes, self.learner = layout, [list(s) for s in shapes], learner
+        self.events, self.swarm_versions = events, swarm_versions
+        self.clock = RoundClock(config.period, layout.num_fragments)
+        self.offset = outer.wire_offset(config.max_delta)
+        self.stats = SyncerStats()
+        self.states: list[Optional[FragmentState]] = [None] * layout.num_fragments
+        self.averagers: list = []
+        self.buffers = [[torch.zeros(shape) for shape in fragment] for fragment in self.shapes]
+        self._locks = [threading.Lock() for _ in range(layout.num_fragments)]
+        self._idle = [threading.Event() for _ in range(layout.num_fragments)]
+        for event in self._idle:
+            event.set()
+        self._stop = threading.Event()
+        self._threads: list[threading.Thread] = []
+        self._stats_lock = threading.Lock()
+
+    # ---------------------------------------------------------------- setup (main thread)
+
+    def prefix(self, fragment: int) -> str:
+        """Group-key prefix of one fragment's rounds: islands of another fingerprint never meet ours."""
+        return f"{self.run_id}_{self.fingerprint[:12]}_f{fragment}of{self.layout.num_fragments}"
+
+    def create_averagers(self, dht) -> None:
+        """Start one averager process per fragment (from the main thread: see procs.py)."""
+        from p2p_diloco.transport import make_fragment_averager
+
+        for p in range(self.layout.num_fragments):
+            self.averagers.append(
+                make_fragment_averager(
+                    self.buffers[p],
+                    dht,
+                    prefix=self.prefix(p),
+                    quorum=self.config.quorum,
+                    matchmaking_time=self.config.matchmaking_time / 2,
+                    request_timeout=self.config.request_timeout,
+                    allreduce_timeout=self.config.allreduce_timeout,
+                    state_provider=lambda p=p: self._donate(p),
+                )
+            )
+
+    def initialize(self, params: Sequence[Sequence[torch.Tensor]]) -> None:
+        """Start from the island's own (seeded) initial parameters at version 0."""
+        for p, fragment in enumerate(params):
+            theta = [t.detach().to("cpu", torch.float32, copy=True) for t in fragment]
+            self._publish(p, FragmentState(theta, [torch.zeros_like(t) for t in theta], 0, outer.tensors_hash(theta)))
+
+    def load_from_peers(self, *, timeout: float, stop: threading.Event) -> bool:
+        """Download Theta_p, m_p and v_p of every fragment from live peers (with donor failover).
+
+        :returns: True when every fragment was loaded; False leaves unloaded fragments as they were
+        """
+        deadline = time.monotonic() + timeout
+        for p in range(self.layout.num_fragments):
+            state = None
+            while state is None and time.monotonic() < deadline and not stop.is_set():
+                state = self._download(p, min_version=0, timeout=min(30.0, max(1.0, deadline - time.monotonic())))
+                if state is None:
+                    stop.wait(1.0)
+            if state is None:
+                return False
+            self._publish(p, state)
+            self.events({"event": "join", "fragment": p, "version": state.version, "hash": state.hash})
+        return True
+
+    def start(self) -> None:
+        """Share state with others and start the fragment threads."""
+        for averager in self.averagers:
+            averager.allow_state_sharing = True
+        for p in range(self.layout.num_fragments):
+            thread = threading.Thread(target=self._fragment_loop, args=(p,), name=f"syncer-f{p}", daemon=True)
+            thread.start()
+            self._threads.append(thread)
+
+    def stop(self, timeout: float = 10.0) -> None:
+        """Stop scheduling rounds, let rounds in flight end (bounded), shut the averagers down."""
+        self._stop.set()
+        deadline = time.monotonic() + timeout
+        for thread in self._threads:
+            thread.join(max(0.0, deadline - time.monotonic()))
+        for averager in self.averagers:
+            try:
+                averager.allow_state_sharing = False
+            except Exception:
+                pass
+        for averager in self.averagers:
+            try:
+                averager.shutdown()
+            except Exception as e:
+                logger.debug("averager shutdown: %r", e)
+        self.averagers = []
+
+    # ---------------------------------------------------------------- views
+
+    @property
+    def versions(self) -> list[int]:
+        return [state.version if state else 0 for state in self.states]
+
+    @property
+    def hashes(self) -> list[str]:
+        return [state.hash if state else "" for state in self.states]
+
+    def global_params(self, fragment: int) -> list[torch.Tensor]:
+        """Theta_p as last published (do not modify)."""
+        state = self.states[fragment]
+        assert state is not None, "syncer not initialised"
+        return state.theta
+
+    # ---------------------------------------------------------------- state sharing
+
+    def _publish(self, p: int, state: FragmentState) -> None:
+        with self._locks[p]:
+            self.states[p] = state
+        if p < len(self.averagers):
+            try:
+                # donors of the newest version and largest agreement are asked first
+                self.averagers[p].state_sharing_priority = state.version + min(state.support, 999) / 1000
+            except Exception as e:
+                logger.debug("could not update donor priority: %r", e)
+
+    def _donate(self, p: int) -> tuple[dict, list[torch.Tensor]]:
+        """Called by hivemind in this process when a peer downloads fragment p."""
+        self._idle[p].wait(timeout=min(2.0, self.config.allreduce_timeout))  # prefer the state after a round
+        with self._locks[p]:
+            state = self.states[p]
+        if state is None:
+            raise RuntimeError("state not ready")
+        tensors = state.theta + state.momentum
+        with self._stats_lock:
+            self.stats.bytes_sent += sum(t.numel() * t.element_size() for t in tensors)
+        metadata = dict(
+            fingerprint=self.fingerprint, fragment=p, version=state.version, hash=state.hash, support=state.support
+        )
+        return metadata, tensors
+
+    def _download(self, p: int, *, min_version: int, timeout: float) -> Optional[FragmentState]:
+        """Fragment p's state from the best donor, if it is valid and at least ``min_version``."""
+        try:
+            result = self.averagers[p].load_state_from_peers(wait=True, timeout=timeout)
+        except Exception as e:
+            logger.debug("state download of fragment %d failed: %r", p, e)
+            return None
+        if result is None:
+            return None
+        metadata, tensors = result
+        n = len(self.shapes[p])
+        if (
+            not isinstance(metadata, dict)
+            or metadata.get("fingerprint") != self.fingerprint
+            or metadata.get("fragment") != p
+            or len(tensors) != 2 * n
+            or any(t.shape != shape for t, shape in zip(tensors, self.shapes[p] * 2))
+        ):
+            logger.warning("ignored a malformed state download for fragment %d", p)
+            return None
+        version = int(metadata.get("version", -1))
+        if version < min_version:
+            logger.debug("donor of fragment %d has version %d < %d", p, version, min_version)
+            return None
+        theta = [t.to(torch.float32).contiguous() for t in tensors[:n]]
+        momentum = [t.to(torch.float32).contiguous() for t in tensors[n:]]
+        if not outer.all_finite(theta + momentum):
+            logger.warning("ignored a state download with NaN/Inf for fragment %d", p)
+            return None
+        with self._stats_lock:
+            self.stats.bytes_received += sum(t.numel() * t.element_size() for t in tensors)
+            self.stats.reloads += 1
+        return FragmentState(theta, momentum, version, outer.tensors_hash(theta), int(metadata.get("support", 1)))
+
+    # ---------------------------------------------------------------- rounds
+
+    def _fragment_loop(self, p: int) -> None:
+        lead = self.config.matchmaking_time
+        while not self._stop.is_set():
+            # wake early enough for the learner to finish its current step before matchmaking starts
+            prepare = lead + min(self.learner.step_time, self.clock.period / self.clock.num_fragments / 4)
+            slot = self.clock.next_slot(p, time.time() + prepare)
+            if self._stop.wait(max(0.0, slot.time - prepare - time.time())):
+                return
+            try:
+                self._run_round(p, slot)
+            except Exception as e:  # a bug must not kill the island's outer loop
+                logger.exception("round of fragment %d failed unexpectedly: %r", p, e)
+                self._idle[p].set()
+
+    def _lagging(self, p: int, version: int) -> bool:
+        others = [versions[p] for versions in self.swarm_versions() if len(versions) > p]
+        return bool(others) and max(others) > version + 1
+
+    def _run_round(self, p: int, slot: RoundSlot) -> None:
+        cfg = self.config
+        state = self.states[p]
+        assert state is not None
+        started = time.time()
+        event = {"event": "round", "fragment": p, "slot": slot.index, "slot_time": slot.time, "t_start": started}
+
+        if self._lagging(p, state.version):
+            # behind the swarm: reload instead of sending a stale pseudo-gradient
+            fresh = self._download(p, min_version=state.version + 1, timeout=cfg.allreduce_timeout)
+            self._bump("rounds_skipped")
+            if fresh is not None:
+                self._hand_over(p, fresh, base=state.theta, reason="reload")
+                self._publish(p, fresh)
+            self.events(event | {"outcome": "lagging", "reloaded": fresh is not None, "t_end": time.time(),
+                                 "base_version": state.version, "new_version": self.versions[p]})
+            return
+
+        snapshot = self.learner.request_snapshot(p, timeout=max(0.05, slot.time - time.time() - cfg.matchmaking_time / 2))
+        if snapshot is None:
+            self._bump("rounds_skipped")
+            self.events(event | {"outcome": "no_snapshot", "t_end": time.time()})
+            return
+
+        self._idle[p].clear()
+        try:
+            self._average_and_apply(p, slot, state, snapshot, event)
+        finally:
+            self._idle[p].set()
+
+    def _average_and_apply(self, p: int, slot: RoundSlot, state: FragmentState, snapshot: Snapshot, event: dict):
+        cfg = self.config
+        delta = outer.pseudo_gradient(state.theta, snapshot.params)
+        if not outer.all_finite(delta):
+            logger.error("fragment %d: local pseudo-gradient has NaN/Inf; not contributing, reloading", p)
+            fresh = self._download(p, min_version=0, timeout=cfg.allreduce_timeout)
+            if fresh is not None:
+                self._hand_over(p, fresh, base=None, reason="reload")
+                self._publish(p, fresh)
+            self._bump("rounds_skipped")
+            self.events(event | {"outcome": "nonfinite", "t_end": time.time()})
+            return
+
+        weight = outer.token_weight(snapshot.tokens, snapshot.steps) / WEIGHT_UNIT
+        averager = self.averagers[p]
+        with averager.get_tensors() as wire:
+            clipped = outer.encode_for_wire(delta, wire, self.offset)
+        gather = dict(
+            island=self.island, version=state.version, hash=state.hash, weight=weight,
+            tokens=snapshot.tokens, steps=snapshot.steps,
+        )
+        grace = cfg.grace_window if cfg.quorum > 1 else 0.0
+        deadline = slot.time + max(grace, cfg.request_timeout)
+        gathered = self._all_reduce(averager, gather, weight, slot.time, deadline)
+
+        members = [m for m in (gathered or {}).values() if _valid_member(m)]
+        base = (state.version, state.hash)
+        event |= {"base_version": state.version, "base_hash": state.hash, "weight": weight,
+                  "tokens": snapshot.tokens, "steps": snapshot.steps, "clipped": clipped}
+        if gathered is not None and len(members) >= 2:
+            with averager.get_tensors() as wire:
+                merged = outer.decode_from_wire(wire, self.offset)
+            canonical = outer.canonical_base([(m["version"], m["hash"]) for m in members])
+            new_version = max(m["version"] for m in members) + 1
+            support = sum((m["version"], m["hash"]) == canonical for m in members)
+            total_weight = sum(m["weight"] for m in members)
+            fragment_bytes = sum(t.numel() * t.element_size() for t in delta)
+            traffic = int(2 * fragment_bytes * (len(members) - 1) / len(members))
+            with self._stats_lock:
+                self.stats.rounds_ok += 1
+                self.stats.group_sizes.append(len(members))
+                self.stats.bytes_sent += traffic
+                self.stats.bytes_received += traffic
+                self.stats.clipped += clipped
+            event |= {"outcome": "ok", "group_size": len(members), "members": sorted(m["island"] for m in members),
+                      "group_max_version": new_version - 1, "contributed": snapshot.steps > 0,
+                      "canonical": base == canonical}
+            if total_weight <= 0.0:
+                new_state = state  # nobody trained anything since the last round: nothing to apply
+                event["outcome"] = "empty"
+            elif base == canonical:
+                new_state = self._stepped(state, merged, new_version, support)
+            else:
+                # our base was older or a fork: take the result from a member that holds it
+                new_state = self._download(p, min_version=new_version, timeout=cfg.allreduce_timeout)
+                event["reloaded"] = new_state is not None
+                if new_state is None:  # keep training on our own fork; the next shared round heals it
+                    new_state = self._stepped(state, merged, new_version, 1)
+        else:
+            own = [d.clamp(-cfg.max_delta, cfg.max_delta) for d in delta]
+            new_state = self._stepped(state, own, state.version + 1, 1)
+            self._bump("rounds_failed")
+            event |= {"outcome": "fallback", "group_size": 1 if gathered is None else len(members),
+                      "contributed": snapshot.steps > 0}
+        if new_state is not state:
+            self._hand_over(p, new_state, base=snapshot.params, reason=event["outcome"])
+            self._publish(p, new_state)
+        self.events(event | {"new_version": new_state.version, "new_hash": new_state.hash, "t_end": time.time()})
+
+    def _all_reduce(self, averager, gather: dict, weight: float, scheduled: float, deadline: float):
+        """One hivemind averaging round; returns {peer: gathered metadata} or None if it failed."""
+        control = None
+        try:
+            control = averager.step(
+                gather=gather, weight=max(weight, LISTENER_WEIGHT), scheduled_time=scheduled,
+                timeout=max(0.5, deadline - time.time()), allow_retries=True, wait=False,
+            )
+            budget = deadline - time.time() + self.config.allreduce_timeout + 1.0
+            while budget > 0 and not self._stop.is_set():
+                try:
+                    return control.result(timeout=min(0.5, budget))
+                except FutureTimeout:
+                    budget -= 0.5
+            control.cancel()
+            return None
+        except Exception as e:  # no group, a peer vanished mid-round, a timeout
+            logger.debug("round failed: %r", e)
+            if control is not None and not control.done():
+                control.cancel()
+            return None
+
+    def _stepped(self, state: FragmentState, merged: list[torch.Tensor], version: int, support: int) -> FragmentState:
+        theta = [t.clone() for t in state.theta]
+        momentum = [m.clone() for m in state.momentum]
+        outer.outer_step(theta, merged, momentum, lr=self.config.lr, momentum=self.config.momentum,
+                         nesterov=self.config.nesterov)
+        return FragmentState(theta, momentum, version, outer.tensors_hash(theta), support)
+
+    def _hand_over(self, p: int, state: FragmentState, *, base: Optional[list[torch.Tensor]], reason: str) -> None:
+        """Send the new Theta_p to the learner; ``base`` is what the learner's progress is measured from
+        (None: replace the local parameters outright)."""
+        if self.config.apply == "mix" and base is not None:
+            tensors = [theta * (1.0 - self.config.alpha) for theta in state.theta]
+            update = OuterUpdate(p, "mix", tensors, self.config.alpha, state.version, reason)
+        elif base is None:
+            update = OuterUpdate(p, "mix", [theta.clone() for theta in state.theta], 0.0, state.version, reason)
+        else:
+            update = OuterUpdate(p, "carry", outer.carry_correction(state.theta, base), 0.0, state.version, reason)
+        self.learner.deliver(update)
+
+    def _bump(self, counter: str) -> None:
+        with self._stats_lock:
+            setattr(self.stats, counter, getattr(self.stats, counter) + 1)
+
+
+def _valid_member(member) -> bool:
+    return (
+        isinstance(member, dict)
+        and isinstance(member.get("version"), int)
+        and isinstance(member.get("hash"), str)
+        and isinstance(member.get("weight"), (int, float))
+        and isinstance(member.get("island"), str)
+    )

@@ -1,0 +1,252 @@
+"""Everything that touches hivemind's networking: multiaddrs, the DHT, identities, averagers.
+
+The rest of the package sees small functions and one class, :class:`FragmentAverager`; the inner loop
+never calls into this module.
+"""
+
+from __future__ import annotations
+
+import errno
+import logging
+import os
+import socket
+import threading
+import time
+from pathlib import Path
+from typing import Any, Callable, Optional, Sequence
+
+import torch
+
+from p2p_diloco.errors import ConfigError, NetworkError
+
+logger = logging.getLogger(__name__)
+
+# A fixed listen port must fail loudly when taken: without this, libp2p's SO_REUSEPORT lets a second
+# process bind the same port and the kernel splits connections between the two.
+os.environ.setdefault("LIBP2P_TCP_REUSEPORT", "false")
+
+
+def quiet_hivemind(verbose: bool) -> None:
+    """hivemind logs expected events (a lone island finding no group) as errors; keep them for -v."""
+    from hivemind.utils.logging import use_hivemind_log_handler
+
+    use_hivemind_log_handler("in_root_logger")
+    level = logging.INFO if verbose else logging.WARNING
+    logging.getLogger("hivemind").setLevel(level)
+    for noisy in ("hivemind.averaging", "hivemind.p2p", "hivemind.dht", "hivemind.utils"):
+        logging.getLogger(noisy).setLevel(level if verbose else logging.CRITICAL)
+
+
+def parse_maddrs(values: Sequence[str], *, what: str, need_peer_id: bool) -> list[str]:
+    """Check that every value is a multiaddr (``/ip4/1.2.3.4/tcp/31337[/p2p/PEER_ID]``).
+
+    :param what: the flag being checked, named in errors
+    :param need_peer_id: initial peers must end with ``/p2p/<peer id>``
+    :raises ConfigError: naming the first malformed value
+    """
+    from hivemind.p2p import PeerID
+    from hivemind.utils.multiaddr import Multiaddr
+
+    checked = []
+    for value in values:
+        try:
+            maddr = Multiaddr(value)
+            protocols = [proto.name for proto in maddr.protocols()]
+        except Exception as e:
+            raise ConfigError(
+                f"{what}: {value!r} is not a multiaddr ({e}); expected e.g. /ip4/127.0.0.1/tcp/31337/p2p/12D3KooW..."
+            ) from None
+        if need_peer_id:
+            if "p2p" not in protocols:
+                raise ConfigError(f"{what}: {value!r} lacks the peer id; expected .../p2p/12D3KooW... (copy INITIAL_PEERS)")
+            try:
+                PeerID.from_base58(maddr.value_for_protocol("p2p"))
+            except Exception:
+                raise ConfigError(f"{what}: {value!r} has a malformed peer id after /p2p/") from None
+        checked.append(value)
+    return checked
+
+
+def check_listen_ports(host_maddrs: Sequence[str]) -> None:
+    """Fail fast, naming the port, when a fixed TCP listen port is already taken.
+
+    :raises NetworkError: if binding one of the ``/tcp/PORT`` addresses fails
+    """
+    from hivemind.utils.multiaddr import Multiaddr
+
+    for value in host_maddrs:
+        maddr = Multiaddr(value)
+        protocols = [proto.name for proto in maddr.protocols()]
+        if "tcp" not in protocols or int(maddr.value_for_protocol("tcp")) == 0:
+            continue
+        port = int(maddr.value_for_protocol("tcp"))
+        family, host = (socket.AF_INET6, maddr.value_for_protocol("ip6")) if "ip6" in protocols else (
+            socket.AF_INET, maddr.value_for_protocol("ip4") if "ip4" in protocols else "0.0.0.0")
+        with socket.socket(family, socket.SOCK_STREAM) as probe:
+            try:
+                probe.bind((host, port))
+            except OSError as e:
+                if e.errno == errno.EADDRINUSE:
+                    raise NetworkError(
+                        f"port {port} is already in use ({value}): stop the other process or pick another port"
+                    ) from None
+                raise NetworkError(f"cannot listen on {value}: {e.strerror}") from None
+
+
+def ensure_identity(path: str) -> str:
+    """Create a libp2p private key at ``path`` on first use (mode 0600); reuse it afterwards.
+
+    :returns: the absolute path
+    :raises ConfigError: if the file exists but is unreadable or not a key
+    """
+    from hivemind.p2p import P2P, PeerID
+
+    file = Path(path).expanduser().absolute()
+    if file.exists():
+        try:
+            PeerID.from_identity(file.read_bytes())
+        except PermissionError:
+            raise ConfigError(f"identity file {file} is not readable (permission denied)") from None
+        except Exception:
+            raise ConfigError(f"identity file {file} is not a libp2p private key: move it away to create a new one") from None
+    else:
+        file.parent.mkdir(parents=True, exist_ok=True)
+        P2P.generate_identity(str(file))
+        os.chmod(file, 0o600)
+        logger.info("created identity key %s", file)
+    return str(file)
+
+
+def start_dht(
+    *,
+    initial_peers: Sequence[str],
+    host_maddrs: Sequence[str],
+    announce_maddrs: Sequence[str] = (),
+    identity_path: str = "",
+    client_mode: bool = False,
+    record_validators: Sequence[Any] = (),
+    join_timeout: float = 60.0,
+    stop_event: Optional[threading.Event] = None,
+):
+    """Start a hivemind DHT, retrying with exponential backoff while the initial peers are unreachable.
+
+    :param join_timeout: seconds to keep retrying before giving up
+    :returns: a running ``hivemind.DHT``
+    :raises NetworkError: with one line naming the peers, once the retries are spent or stop_event is set
+    """
+    import hivemind
+
+    kwargs: dict[str, Any] = dict(
+        host_maddrs=list(host_maddrs),
+        client_mode=client_mode,
+        record_validators=list(record_validators),
+        nat_port_map=False,  # no UPnP multicast on the local network
+        use_relay=False,
+        use_auto_relay=False,
+        startup_timeout=30,
+    )
+    if announce_maddrs:
+        kwargs["announce_maddrs"] = list(announce_maddrs)
+    if identity_path:
+        kwargs["identity_path"] = identity_path
+    deadline = time.monotonic() + join_timeout
+    delay, attempt = 1.0, 0
+    while True:
+        attempt += 1
+        try:
+            return hivemind.DHT(initial_peers=list(initial_peers) or None, start=True, **kwargs)
+        except Exception as e:
+            reason = str(e).splitlines()[-1] if str(e) else type(e).__name__
+            if "address already in use" in reason:
+                raise NetworkError(f"cannot listen on {' '.join(host_maddrs)}: address already in use") from None
+            if "already taken by another peer" in reason:
+                raise NetworkError(f"identity {identity_path} is already used by a live peer: is this island running twice?") from None
+            if not initial_peers:
+                raise NetworkError(f"could not start the DHT: {reason}") from None
+            remaining = deadline - time.monotonic()
+            if remaining <= 0 or (stop_event is not None and stop_event.is_set()):
+                raise NetworkError(
+                    f"could not reach any initial peer ({' '.join(initial_peers)}) after {attempt} attempts "
+                    f"in {join_timeout:.0f} s: check the address and that the bootstrap node is running"
+                ) from None
+            wait = min(delay, remaining)
+            logger.warning("initial peers unreachable (%s); retrying in %.0f s", reason, wait)
+            if stop_event is not None and stop_event.wait(wait):
+                raise NetworkError("interrupted while connecting to the initial peers") from None
+            if stop_event is None:
+                time.sleep(wait)
+            delay = min(delay * 2, 16.0)
+
+
+def visible_maddrs(dht) -> list[str]:
+    """The multiaddrs (with /p2p/ peer id) that other peers can use to join through this one."""
+    return [str(maddr) for maddr in dht.get_visible_maddrs(latest=True)]
+
+
+def count_connected_peers(dht) -> int:
+    """Number of libp2p peers this DHT's daemon is connected to (for log lines)."""
+
+    async def _count(_dht, node) -> int:
+        return len(await node.p2p.list_peers())
+
+    try:
+        return int(dht.run_coroutine(_count))
+    except Exception:
+        return -1
+
+
+def _fragment_averager_class():
+    from hivemind.averaging import DecentralizedAverager
+
+    class FragmentAverager(DecentralizedAverager):
+        """hivemind's DecentralizedAverager for one fragment; it serves the fragment's state
+        (Theta_p, outer momentum m_p, version) to joining or lagging islands through
+        ``get_current_state``, hivemind's documented extension point."""
+
+        def __init__(self, *args, state_provider: Callable[[], tuple[dict, list[torch.Tensor]]], **kwargs):
+            self._state_provider = state_provider
+            super().__init__(*args, **kwargs)
+
+        def get_current_state(self):
+            metadata, tensors = self._state_provider()
+            return metadata, tensors, None
+
+    return FragmentAverager
+
+
+def make_fragment_averager(
+    tensors: Sequence[torch.Tensor],
+    dht,
+    *,
+    prefix: str,
+    quorum: int,
+    matchmaking_time: float,
+    request_timeout: float,
+    allreduce_timeout: float,
+    state_provider: Callable[[], tuple[dict, list[torch.Tensor]]],
+):
+    """Start one fragment's averager process.
+
+    :param tensors: fp32 CPU buffers, one per parameter of the fragment; rounds average them in place
+    :param prefix: group-key prefix, unique per (run, fingerprint, fragment); no dots
+    :param quorum: K, hivemind's ``min_group_size``: a round waits for this many members
+    """
+    FragmentAverager = _fragment_averager_class()
+    chunk_timeout = max(1.0, allreduce_timeout / 2)
+    return FragmentAverager(
+        averaged_tensors=list(tensors),
+        dht=dht,
+        start=True,
+        prefix=prefix,
+        min_group_size=max(2, quorum),
+        min_matchmaking_time=matchmaking_time,
+        request_timeout=request_timeout,
+        allreduce_timeout=allreduce_timeout,
+        sender_timeout=chunk_timeout,
+        reducer_timeout=2.0 * chunk_timeout + 0.1,
+        next_chunk_timeout=chunk_timeout,
+        allow_state_sharing=False,
+        declare_state_period=10.0,
+        shutdown_timeout=3.0,
+        state_provider=state_provider,
+    )

@@ -1,0 +1,8 @@
+#!/usr/bin/env python3
+"""Thin entry point of the island role: same as `p2p-diloco peer ...` (e.g. --config peers/tiny_cpu.toml)."""
+import sys
+
+from p2p_diloco.cli import main
+
+if __name__ == "__main__":
+    sys.exit(main(["peer", *sys.argv[1:]]))

@@ -1,0 +1,8 @@
+#!/usr/bin/env bash
+# The main job: a local swarm (bootstrap node + islands on 127.0.0.1) training on the embedded
+# Shakespeare corpus. Creates .venv if missing and installs the project first.
+# Usage: ./scripts/demo.sh [--islands 3] [--minutes 3] [--preset tiny] [--out runs/NAME] (see --help)
+set -euo pipefail
+cd "$(dirname "$0")/.."
+./scripts/setup_venv.sh
+exec .venv/bin/python scripts/demo.py "$@"

