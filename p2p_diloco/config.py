@@ -40,7 +40,7 @@ def _check_name(value: str, example: str) -> str:
 
 
 class _Section(BaseModel):
-    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+    model_config = ConfigDict(extra="forbid", validate_assignment=True, validate_default=True)
 
 
 class ModelConfig(_Section):

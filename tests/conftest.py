@@ -1,0 +1,39 @@
+"""Shared fixtures: a per-session tokenizer cache, and no process outliving its test."""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+from pathlib import Path
+
+import pytest
+
+from p2p_diloco.localswarm import descendants, pid_alive
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(scope="session", autouse=True)
+def shared_cache(tmp_path_factory):
+    """Tokenizers and token arrays are cached once per session (or where P2P_DILOCO_CACHE points)."""
+    if not os.environ.get("P2P_DILOCO_CACHE"):
+        os.environ["P2P_DILOCO_CACHE"] = str(tmp_path_factory.mktemp("cache"))
+    yield os.environ["P2P_DILOCO_CACHE"]
+
+
+@pytest.fixture(autouse=True)
+def no_leftover_processes():
+    """Kill, by PID, any process a test started (directly or not) that is still alive after it."""
+    before = set(descendants(os.getpid()))
+    yield
+    deadline = time.monotonic() + 10
+    leftovers = [pid for pid in descendants(os.getpid()) if pid not in before]
+    while leftovers and time.monotonic() < deadline:
+        time.sleep(0.2)
+        leftovers = [pid for pid in leftovers if pid_alive(pid)]
+    for pid in leftovers:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except OSError:
+            pass

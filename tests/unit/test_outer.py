@@ -1,0 +1,145 @@
+"""Outer-loop maths against references, with a fake all-reduce (no network)."""
+
+import pytest
+import torch
+
+from p2p_diloco import outer
+
+
+def _params(seed, shapes=((4, 3), (5,))):
+    generator = torch.Generator().manual_seed(seed)
+    return [torch.randn(shape, generator=generator) for shape in shapes]
+
+
+def test_pseudo_gradient_sign_and_scale():
+    theta_global = [torch.tensor([1.0, -2.0])]
+    theta_local = [torch.tensor([0.8, -1.5])]  # local training moved the first down, the second up
+    (delta,) = outer.pseudo_gradient(theta_global, theta_local)
+    torch.testing.assert_close(delta, torch.tensor([0.2, -0.5]))  # Theta - theta: positive where it went down
+    # one island, outer lr 1, no momentum: the outer step lands exactly on the local parameters
+    params, buffers = [t.clone() for t in theta_global], [torch.zeros(2)]
+    outer.outer_step(params, [delta], buffers, lr=1.0, momentum=0.0, nesterov=False)
+    torch.testing.assert_close(params[0], theta_local[0])
+
+
+def test_fake_allreduce_of_pseudo_gradients_is_fedavg():
+    """Averaging M islands' pseudo-gradients then stepping with lr 1 gives the mean of their parameters."""
+    theta_global = _params(0)
+    locals_ = [_params(seed) for seed in (1, 2, 3)]
+    deltas = [outer.pseudo_gradient(theta_global, theta) for theta in locals_]
+    merged = outer.weighted_mean(deltas, [1.0, 1.0, 1.0])
+    params, buffers = [t.clone() for t in theta_global], [torch.zeros_like(t) for t in theta_global]
+    outer.outer_step(params, merged, buffers, lr=1.0, momentum=0.0, nesterov=False)
+    for index, param in enumerate(params):
+        torch.testing.assert_close(param, torch.stack([theta[index] for theta in locals_]).mean(0))
+    # and a half-weight island pulls the result half as much
+    merged = outer.weighted_mean(deltas[:2], [1.0, 0.5])
+    expected = (deltas[0][0] * 1.0 + deltas[1][0] * 0.5) / 1.5
+    torch.testing.assert_close(merged[0], expected)
+
+
+def test_weighted_mean_rejects_zero_total_weight():
+    with pytest.raises(ValueError):
+        outer.weighted_mean([_params(1)], [0.0])
+
+
+@pytest.mark.parametrize("nesterov", [True, False])
+def test_outer_step_equals_torch_sgd(nesterov):
+    start = _params(7)
+    reference = [torch.nn.Parameter(t.clone()) for t in start]
+    sgd = torch.optim.SGD(reference, lr=0.7, momentum=0.9, nesterov=nesterov)
+    ours, buffers = [t.clone() for t in start], [torch.zeros_like(t) for t in start]
+    for step in range(6):
+        grads = _params(100 + step)
+        for param, grad in zip(reference, grads):
+            param.grad = grad.clone()
+        sgd.step()
+        outer.outer_step(ours, grads, buffers, lr=0.7, momentum=0.9, nesterov=nesterov)
+        for mine, theirs in zip(ours, reference):
+            torch.testing.assert_close(mine, theirs.detach(), rtol=1e-6, atol=1e-6)
+
+
+def test_token_weight_is_tokens_squared_over_steps():
+    assert outer.token_weight(1000, 10) == pytest.approx(1e5)
+    assert outer.token_weight(0, 0) == 0.0 and outer.token_weight(500, 0) == 0.0
+    # twice the tokens in the same steps (bigger batches) weighs 4x; same tokens in twice the steps, half
+    assert outer.token_weight(2000, 10) == pytest.approx(4 * outer.token_weight(1000, 10))
+    assert outer.token_weight(1000, 20) == pytest.approx(outer.token_weight(1000, 10) / 2)
+
+
+def test_apply_mix_alpha():
+    local, new_global = [torch.tensor([2.0, 4.0])], [torch.tensor([0.0, 0.0])]
+    mixed = [local[0].clone()]
+    outer.apply_mix(mixed, new_global, alpha=0.5)
+    assert torch.equal(mixed[0], torch.tensor([1.0, 2.0]))
+    replaced = [local[0].clone()]
+    outer.apply_mix(replaced, new_global, alpha=0.0)
+    assert torch.equal(replaced[0], new_global[0])
+    kept = [local[0].clone()]
+    outer.apply_mix(kept, new_global, alpha=1.0)
+    assert torch.equal(kept[0], local[0])
+
+
+def test_carry_keeps_progress_made_during_the_round():
+    snapshot = [torch.tensor([1.0, 1.0])]
+    now = [torch.tensor([0.9, 1.2])]  # inner steps taken after the snapshot
+    new_global = [torch.tensor([0.5, 0.5])]
+    outer.apply_carry(now, outer.carry_correction(new_global, snapshot))
+    torch.testing.assert_close(now[0], torch.tensor([0.4, 0.7]))
+
+
+def _hivemind_reduce(ys, weights):
+    """What hivemind's TensorPartReducer computes: accumulate w*y in fp32, divide by the total weight."""
+    accumulator = torch.zeros_like(ys[0])
+    denominator = 0.0
+    for y, w in zip(ys, weights):
+        accumulator.add_(y, alpha=w)
+        denominator += w
+    return accumulator.div_(denominator)
+
+
+def test_wire_encoding_makes_every_member_receive_the_same_bits():
+    offset = outer.wire_offset(1.0)
+    assert offset == 4.0
+    generator = torch.Generator().manual_seed(3)
+    deltas = [[torch.randn(1000, generator=generator) * scale] for scale in (1e-4, 3e-2, 0.4)]
+    deltas[2][0][:5] = 7.0  # beyond max_delta: clipped
+    expected_clipped = sum(int((d[0].abs() > 1.0).sum()) for d in deltas)
+    assert expected_clipped >= 5
+    wires, clipped = [], 0
+    for delta in deltas:
+        wire = [torch.empty(1000)]
+        clipped += outer.encode_for_wire(delta, wire, offset)
+        wires.append(wire[0])
+    assert clipped == expected_clipped
+    avg = _hivemind_reduce(wires, [3.5, 1.0, 120.25])
+    received = [y + (avg - y) for y in wires]  # each member adds the reducer's delta to its own tensor
+    for tensor in received:
+        assert torch.equal(tensor, avg)
+    merged = outer.decode_from_wire([avg], offset)[0]
+    reference = outer.weighted_mean([[d[0].clamp(-1, 1)] for d in deltas], [3.5, 1.0, 120.25])[0]
+    torch.testing.assert_close(merged, reference, rtol=0, atol=4 * offset * 2**-24)
+
+
+def test_canonical_base():
+    assert outer.canonical_base([(3, "b"), (4, "z"), (3, "a")]) == (4, "z")  # newest version wins
+    assert outer.canonical_base([(4, "z"), (4, "a"), (4, "z")]) == (4, "z")  # then the majority
+    assert outer.canonical_base([(4, "z"), (4, "a")]) == (4, "a")  # then the smaller hash
+    assert outer.canonical_base([(4, "a"), (4, "z")]) == (4, "a")  # independent of order
+    with pytest.raises(ValueError):
+        outer.canonical_base([])
+
+
+def test_tensors_hash():
+    a = _params(1)
+    assert outer.tensors_hash(a) == outer.tensors_hash([t.clone() for t in a])
+    b = [t.clone() for t in a]
+    b[1][0] = torch.nextafter(b[1][0], torch.tensor(10.0))  # one ulp
+    assert outer.tensors_hash(a) != outer.tensors_hash(b)
+    assert outer.tensors_hash([torch.zeros(2, 3)]) != outer.tensors_hash([torch.zeros(3, 2)])
+
+
+def test_all_finite():
+    assert outer.all_finite(_params(1))
+    assert not outer.all_finite([torch.tensor([1.0, float("nan")])])
+    assert not outer.all_finite([torch.tensor([float("inf")])])

@@ -1,0 +1,59 @@
+"""Progress records are schema-checked and signed like hivemind's ProgressTracker records."""
+
+import time
+
+import pytest
+from hivemind.dht.validation import DHTRecord
+from hivemind.dht.routing import DHTID
+from hivemind.dht.protocol import DHTProtocol
+
+from p2p_diloco.records import IslandProgress, make_validators, progress_key
+
+
+def _record(**overrides):
+    fields = dict(
+        island="i0", peer_id="12D3KooW", fingerprint="abc", device="cpu", state="training", maddrs=["/ip4/x"],
+        inner_step=3, tokens=100, tokens_per_second=10.0, loss=5.0, eval_loss=None, fragment_versions=[1, 2],
+        fragment_hashes=["a", "b"], rounds_ok=1, rounds_failed=0, bytes_sent=10, bytes_received=10,
+        utilization=0.99, started=1.0, time=time.time(),
+    )
+    return IslandProgress(**(fields | overrides))
+
+
+def _dht_record(validators, public_key, value):
+    serializer = DHTProtocol.serializer
+    record = DHTRecord(
+        key=DHTID.generate(source=progress_key("run")).to_bytes(),
+        subkey=serializer.dumps(public_key),
+        value=serializer.dumps(value),
+        expiration_time=time.time() + 10,
+    )
+    schema, signature = validators
+    signed = DHTRecord(record.key, record.subkey, signature.sign_value(record), record.expiration_time)
+    return schema, signature, signed
+
+
+def test_valid_record_passes_schema_and_signature():
+    validators, public_key = make_validators("run")
+    schema, signature, signed = _dht_record(validators, public_key, _record().dict())
+    stripped = DHTRecord(signed.key, signed.subkey, signature.strip_value(signed), signed.expiration_time)
+    assert signature.validate(signed) and schema.validate(stripped)
+
+
+@pytest.mark.parametrize("bad", [{"inner_step": 3.0}, {"tokens": -1}, {"utilization": 1.5}, {"loss": "low"}])
+def test_malformed_records_are_rejected(bad):
+    validators, public_key = make_validators("run")
+    value = _record().dict() | bad
+    schema, signature, signed = _dht_record(validators, public_key, value)
+    stripped = DHTRecord(signed.key, signed.subkey, signature.strip_value(signed), signed.expiration_time)
+    assert not schema.validate(stripped)
+
+
+def test_signature_binds_the_record_to_its_subkey():
+    validators, public_key = make_validators("run")
+    _, other_key = make_validators("run")
+    schema, signature, signed = _dht_record(validators, public_key, _record().dict())
+    # the same signed value stored under another island's subkey
+    forged = DHTRecord(signed.key, DHTProtocol.serializer.dumps(other_key), signed.value, signed.expiration_time)
+    assert signature.validate(signed)
+    assert not signature.validate(forged)
