@@ -6,6 +6,8 @@ import pytest
 from hivemind.dht.validation import DHTRecord
 from hivemind.dht.routing import DHTID
 from hivemind.dht.protocol import DHTProtocol
+from hivemind.dht.crypto import RSASignatureValidator
+from hivemind.utils.crypto import RSAPrivateKey
 
 from p2p_diloco.records import IslandProgress, make_validators, progress_key
 
@@ -51,7 +53,7 @@ def test_malformed_records_are_rejected(bad):
 
 def test_signature_binds_the_record_to_its_subkey():
     validators, public_key = make_validators("run")
-    _, other_key = make_validators("run")
+    other_key = RSASignatureValidator(RSAPrivateKey()).local_public_key  # another island's key
     schema, signature, signed = _dht_record(validators, public_key, _record().dict())
     # the same signed value stored under another island's subkey
     forged = DHTRecord(signed.key, DHTProtocol.serializer.dumps(other_key), signed.value, signed.expiration_time)
