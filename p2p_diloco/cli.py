@@ -6,7 +6,9 @@ User mistakes print ``error: <what and how to fix>`` on stderr and exit non-zero
 from __future__ import annotations
 
 import argparse
+import faulthandler
 import logging
+import signal
 import sys
 from typing import Optional, Sequence
 
@@ -78,6 +80,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
 
     install_child_hooks()
     stop = StopSignal().install()
+    if hasattr(signal, "SIGUSR1"):  # `kill -USR1 <pid>` prints every thread's stack (debugging a hang)
+        faulthandler.register(signal.SIGUSR1, all_threads=True)
     try:
         if args.command == "bootstrap":
             from p2p_diloco.bootstrap import run_bootstrap
@@ -91,6 +95,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             from p2p_diloco.island import run_peer
 
             summary = run_peer(config_lib.build_config(config_lib.PeerConfig, args, args.config), stop)
+            if summary and summary["stop_reason"] == "helper_died":
+                return 1
             if summary:
                 logging.getLogger("p2p_diloco").info(
                     "summary: %d steps, %.2fM tokens, eval loss %s -> %s, rounds %d ok / %d failed, utilization %.3f",

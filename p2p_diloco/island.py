@@ -43,11 +43,13 @@ class Reporter:
     a status line (a live line on a TTY, a log line every few periods otherwise)."""
 
     def __init__(self, board: ProgressBoard, build_record, *, period: float, ttl: float, fingerprint: str,
-                 island: str, show):
+                 island: str, show, health, on_failure):
         self.board, self.build_record, self.period, self.ttl = board, build_record, period, ttl
         self.fingerprint, self.island, self.show = fingerprint, island, show
+        self.health, self.on_failure = health, on_failure
         self.others: list[IslandProgress] = []
         self.state = "loading"
+        self.failure: Optional[str] = None
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._loop, name="reporter", daemon=True)
 
@@ -61,6 +63,11 @@ class Reporter:
     def _loop(self) -> None:
         ticks = 0
         while not self._stop.is_set():
+            self.failure = self.health()
+            if self.failure:
+                logger.error("%s: stopping the island", self.failure)
+                self.on_failure()
+                return
             self.board.publish(self.build_record(self.state), self.ttl)
             self.others = [r for r in self.board.read() if r.island != self.island]
             self.show(self.others, ticks)
@@ -200,8 +207,18 @@ def run_peer(config: PeerConfig, stop: StopSignal) -> dict:
         )
         syncer.create_averagers(dht)  # processes forked from the main thread
         stop.install()  # hivemind's averager turned SIGINT off in this process
+        def health() -> Optional[str]:
+            """hivemind's helper processes must live as long as the island; a dead one is fatal."""
+            if not dht.is_alive():
+                return f"the DHT process died (exit code {dht.exitcode})"
+            for p, averager in enumerate(syncer.averagers):
+                if not averager.is_alive():
+                    return f"the averager of fragment {p} died (exit code {averager.exitcode})"
+            return None
+
         reporter = Reporter(board, build_record, period=config.progress_period, ttl=config.progress_ttl,
-                            fingerprint=fingerprint, island=config.island, show=show)
+                            fingerprint=fingerprint, island=config.island, show=show, health=health,
+                            on_failure=stop.event.set)
         reporter.start()
 
         donors = [r for r in others if r.state == "training" and r.fingerprint == fingerprint]
@@ -224,6 +241,8 @@ def run_peer(config: PeerConfig, stop: StopSignal) -> dict:
         learner.evaluate()
         stop_reason = learner.run(stop.event, max_steps=config.max_steps, max_seconds=config.max_minutes * 60,
                                   eval_every=config.eval_every)
+        if reporter.failure:
+            stop_reason = "helper_died"
         logger.info("stopping (%s)", stop_reason)
     except KeyboardInterrupt:
         stop_reason = "signal"
@@ -242,13 +261,15 @@ def run_peer(config: PeerConfig, stop: StopSignal) -> dict:
                                    count_parameters(model))
         if reporter is not None:
             reporter.stop()
-            reporter.board.withdraw()
+            if dht.is_alive():
+                reporter.board.withdraw()
         if status_line is not None:
             status_line.close()
         events({"event": "stop", "reason": stop_reason})
         events.close()
         try:
-            dht.shutdown()
+            if dht.is_alive():
+                dht.shutdown()
         except Exception as e:
             logger.debug("dht shutdown: %r", e)
     if summary is not None and config.summary_json:

@@ -74,11 +74,13 @@ class Managed:
         if self.alive():
             os.kill(self.pid, signum)
 
-    def stop(self, timeout: float = 20.0) -> Optional[int]:
-        """SIGTERM, wait up to ``timeout`` s, then SIGKILL the process and anything it left behind."""
+    def stop(self, timeout: float = 20.0, *, signal_first: bool = True) -> Optional[int]:
+        """SIGTERM (unless already sent), wait up to ``timeout`` s, then SIGKILL the process and
+        anything it left behind."""
         self.remember_tree()
         if self.alive():
-            self.popen.send_signal(signal.SIGTERM)
+            if signal_first:
+                self.popen.send_signal(signal.SIGTERM)
             try:
                 self.popen.wait(timeout)
             except subprocess.TimeoutExpired:
@@ -192,7 +194,7 @@ class LocalSwarm:
             if island.alive():
                 island.popen.send_signal(signal.SIGTERM)
         for island in self.islands.values():
-            island.stop(timeout)
+            island.stop(timeout, signal_first=False)
             leftovers += island.reap_leftovers()
         if self.bootstrap is not None:
             self.bootstrap.stop(timeout)

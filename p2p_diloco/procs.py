@@ -35,6 +35,11 @@ def _after_fork_in_child() -> None:
         os.setpgid(0, 0)
     except Exception:  # not Linux, or no prctl: children then rely on hivemind's own shutdown
         pass
+    try:  # the parent's StopSignal handler means nothing here: hivemind's terminate() must end us
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+        signal.signal(signal.SIGINT, signal.SIG_DFL)
+    except ValueError:  # forked from a non-main thread
+        pass
     if _forking_pid is not None and os.getppid() != _forking_pid:
         os._exit(1)  # the parent died between fork and prctl
 

@@ -287,11 +287,17 @@ class Syncer:
 
     def _fragment_loop(self, p: int) -> None:
         lead = self.config.matchmaking_time
+        budget = self.clock.period / self.clock.num_fragments
         while not self._stop.is_set():
-            # wake early enough for the learner to finish its current step before matchmaking starts
-            prepare = lead + min(self.learner.step_time, self.clock.period / self.clock.num_fragments / 4)
-            slot = self.clock.next_slot(p, time.time() + prepare)
-            if self._stop.wait(max(0.0, slot.time - prepare - time.time())):
+            slot = self.clock.next_slot(p, time.time() + lead + min(1.0, budget / 4))
+            # wake early enough for the learner to reach a step boundary before matchmaking starts
+            while not self._stop.is_set():
+                prepare = lead + min(2.0 * self.learner.step_time, budget / 4)
+                remaining = slot.time - prepare - time.time()
+                if remaining <= 0:
+                    break
+                self._stop.wait(min(remaining, 1.0))
+            if self._stop.is_set():
                 return
             try:
                 self._run_round(p, slot)
@@ -321,7 +327,7 @@ class Syncer:
                                  "base_version": state.version, "new_version": self.versions[p]})
             return
 
-        snapshot = self.learner.request_snapshot(p, timeout=max(0.05, slot.time - time.time() - cfg.matchmaking_time / 2))
+        snapshot = self.learner.request_snapshot(p, timeout=max(0.05, slot.time - time.time() - cfg.matchmaking_time / 4))
         if snapshot is None:
             self._bump("rounds_skipped")
             self.events(event | {"outcome": "no_snapshot", "t_end": time.time()})
@@ -405,6 +411,8 @@ class Syncer:
     def _all_reduce(self, averager, gather: dict, weight: float, scheduled: float, deadline: float):
         """One hivemind averaging round; returns {peer: gathered metadata} or None if it failed."""
         control = None
+        if not averager.is_alive():  # step() would wait forever for a dead process; the island's watchdog stops us
+            return None
         try:
             control = averager.step(
                 gather=gather, weight=max(weight, LISTENER_WEIGHT), scheduled_time=scheduled,

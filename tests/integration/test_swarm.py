@@ -1,0 +1,120 @@
+"""A bootstrap node and three islands started together on 127.0.0.1, then a late joiner and a SIGKILL.
+
+The tests run in order against one swarm (module fixture), as a user's session would.
+"""
+
+from __future__ import annotations
+
+import signal
+import statistics
+import time
+
+import pytest
+
+from p2p_diloco.localswarm import LocalSwarm, descendants, pid_alive
+from tests.integration.helpers import FAST, events_of, max_step_gap, rounds_by_slot, status_json, wait_for
+
+pytestmark = pytest.mark.integration
+ISLANDS = ["island-0", "island-1", "island-2"]
+
+
+@pytest.fixture(scope="module")
+def swarm(tmp_path_factory):
+    swarm = LocalSwarm(tmp_path_factory.mktemp("swarm"), run_id="itest")
+    swarm.launched = time.time()
+    swarm.start_bootstrap()
+    for index, name in enumerate(ISLANDS):
+        swarm.start_island(name, *FAST, "--data-shard-index", str(index))
+    yield swarm
+    assert not swarm.close(), "processes had to be force-killed"
+
+
+def _paths(swarm, names=ISLANDS):
+    return {name: swarm.events_path(name) for name in names}
+
+
+def test_islands_see_each_other_within_30s(swarm):
+    def all_training():
+        snapshot = status_json(swarm.initial_peers, swarm.run_id)
+        names = {i["island"] for i in snapshot["islands"] if i["state"] == "training"}
+        return time.time() if names == set(ISLANDS) else None
+
+    seen_at = wait_for(all_training, timeout=120, message="3 training islands in `status --json`")
+    up_at = max(events_of(path, "start")[0]["t"] for path in _paths(swarm).values())
+    print(f"visible {seen_at - swarm.launched:.1f} s after launch, {seen_at - up_at:.1f} s after the last DHT came up")
+    assert seen_at - up_at <= 30
+    swarm.remember_trees()
+
+
+def test_rounds_complete_with_two_or_more_members(swarm):
+    def enough():
+        ok = {name: [e for e in events_of(path, "round") if e["outcome"] == "ok" and e["group_size"] >= 2]
+              for name, path in _paths(swarm).items()}
+        return ok if all(len(rounds) >= 3 for rounds in ok.values()) else None
+
+    ok = wait_for(enough, timeout=90, message="3 rounds of 2+ members on every island")
+    assert any(e["group_size"] == 3 for rounds in ok.values() for e in rounds)
+
+
+def test_members_of_a_shared_round_hold_identical_theta(swarm):
+    shared = 0
+    for (fragment, slot), by_island in rounds_by_slot(_paths(swarm)).items():
+        canonical = {name: e for name, e in by_island.items() if e["outcome"] == "ok" and e.get("canonical")}
+        if len(canonical) >= 2:
+            shared += 1
+            assert len({e["new_hash"] for e in canonical.values()}) == 1, (fragment, slot, canonical)
+            assert len({e["new_version"] for e in canonical.values()}) == 1
+    assert shared >= 3
+
+
+def test_late_joiner_loads_state_and_first_contributes_at_the_current_version(swarm):
+    joiner = swarm.start_island("late", *FAST, "--data-shard-index", "3")
+    path = swarm.events_path("late")
+
+    def first_contribution():
+        contributed = [e for e in events_of(path, "round") if e.get("contributed") and e["outcome"] == "ok"]
+        return contributed[0] if contributed else None
+
+    first = wait_for(first_contribution, timeout=120, message="the late joiner's first contributed round")
+    joins = events_of(path, "join")
+    assert len(joins) == 2 and all(j["version"] > 0 for j in joins)  # state came from peers, not the seed
+    assert first["base_version"] == first["group_max_version"]  # not stale
+    assert first["canonical"] and first["group_size"] >= 2
+    joiner.stop(timeout=30)
+    assert joiner.popen.returncode == 0
+    summary = swarm.summary("late")
+    assert summary["state_downloads"] >= 2 and summary["outer_rounds_ok"] >= 1
+
+
+def test_sigkill_of_one_island_does_not_pause_the_others(swarm):
+    victim = swarm.islands["island-2"]
+    tree = descendants(victim.pid)
+    assert tree, "the island's DHT, averagers and p2pd should be running"
+    killed_at = time.time()
+    victim.signal(signal.SIGKILL)
+    survivors = _paths(swarm, ["island-0", "island-1"])
+
+    def rounds_without_victim():
+        after = [e for path in survivors.values() for e in events_of(path, "round")
+                 if e["t_start"] > killed_at + 1 and e["outcome"] == "ok"]
+        return after if len([e for e in after if e["members"] == ["island-0", "island-1"]]) >= 4 else None
+
+    after = wait_for(rounds_without_victim, timeout=60, message="rounds of the two survivors")
+    assert all("island-2" not in e["members"] for e in after)
+    for name, path in survivors.items():
+        steps = events_of(path, "step")
+        median = statistics.median(s["dt"] for s in steps)
+        gap = max_step_gap(steps, killed_at - 2, time.time())
+        print(f"{name}: median step {median:.3f} s, largest gap around the kill {gap:.3f} s")
+        assert gap < max(2.0, 4 * median), f"{name}'s inner loop stalled for {gap:.2f} s"
+    # the killed island's DHT process, averagers and p2pd die with it
+    wait_for(lambda: not any(pid_alive(pid) for pid in tree), timeout=15, message="the victim's children to exit")
+
+
+def test_status_drops_the_dead_island_after_expiry(swarm):
+    def dropped():
+        names = {i["island"] for i in status_json(swarm.initial_peers, swarm.run_id)["islands"]}
+        return names if "island-2" not in names else None
+
+    names = wait_for(dropped, timeout=40, message="island-2 to expire from status")
+    assert {"island-0", "island-1"} <= names
