@@ -272,6 +272,8 @@ def run_peer(config: PeerConfig, stop: StopSignal) -> dict:
                 dht.shutdown()
         except Exception as e:
             logger.debug("dht shutdown: %r", e)
+        if syncer is not None:
+            syncer.close()
     if summary is not None and config.summary_json:
         write_json_atomic(config.summary_json, summary)
     return summary

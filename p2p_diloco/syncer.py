@@ -189,21 +189,30 @@ class Syncer:
             self._threads.append(thread)
 
     def stop(self, timeout: float = 10.0) -> None:
-        """Stop scheduling rounds, let rounds in flight end (bounded), shut the averagers down."""
+        """Stop scheduling rounds and let rounds in flight end (bounded)."""
         self._stop.set()
         deadline = time.monotonic() + timeout
         for thread in self._threads:
             thread.join(max(0.0, deadline - time.monotonic()))
+
+    def close(self, timeout: float = 5.0) -> None:
+        """End the averager processes; call after the DHT (and with it p2pd) is shut down.
+
+        Order matters: an averager that exits while one of its DHT requests is still queued crashes
+        hivemind's DHT process (the request's reply pipe can no longer be fetched from the dead
+        sender), so the DHT goes first. With p2pd gone, an averager's graceful shutdown (which
+        unregisters its handlers from p2pd) can only fail, so the averagers get SIGTERM: rounds have
+        stopped and they hold no state of their own. For the same reason there is no
+        ``allow_state_sharing = False`` here: donor entries simply expire.
+        """
         for averager in self.averagers:
-            try:
-                averager.allow_state_sharing = False
-            except Exception:
-                pass
+            if averager.is_alive():
+                averager.terminate()
         for averager in self.averagers:
-            try:
-                averager.shutdown()
-            except Exception as e:
-                logger.debug("averager shutdown: %r", e)
+            averager.join(timeout)
+            if averager.is_alive():
+                averager.kill()
+                averager.join(timeout)
         self.averagers = []
 
     # ---------------------------------------------------------------- views

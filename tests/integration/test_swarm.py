@@ -57,14 +57,18 @@ def test_rounds_complete_with_two_or_more_members(swarm):
 
 
 def test_members_of_a_shared_round_hold_identical_theta(swarm):
-    shared = 0
-    for (fragment, slot), by_island in rounds_by_slot(_paths(swarm)).items():
-        canonical = {name: e for name, e in by_island.items() if e["outcome"] == "ok" and e.get("canonical")}
-        if len(canonical) >= 2:
-            shared += 1
-            assert len({e["new_hash"] for e in canonical.values()}) == 1, (fragment, slot, canonical)
-            assert len({e["new_version"] for e in canonical.values()}) == 1
-    assert shared >= 3
+    def shared_rounds():
+        shared = {}
+        for key, by_island in rounds_by_slot(_paths(swarm)).items():
+            canonical = {name: e for name, e in by_island.items() if e["outcome"] == "ok" and e.get("canonical")}
+            if len(canonical) >= 2:
+                shared[key] = canonical
+        return shared if len(shared) >= 3 else None
+
+    shared = wait_for(shared_rounds, timeout=60, message="3 rounds whose members started from the same Theta")
+    for (fragment, slot), members in shared.items():
+        assert len({e["new_hash"] for e in members.values()}) == 1, (fragment, slot, members)
+        assert len({e["new_version"] for e in members.values()}) == 1
 
 
 def test_late_joiner_loads_state_and_first_contributes_at_the_current_version(swarm):
