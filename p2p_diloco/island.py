@@ -108,6 +108,7 @@ def run_peer(config: PeerConfig, stop: StopSignal) -> dict:
 
     :raises UserError: for bad input (data, peers, fingerprint); nothing of the swarm is touched then
     """
+    launched = time.time()
     if config.threads:
         torch.set_num_threads(config.threads)
     torch.set_flush_denormal(True)  # outer updates leave tiny values; denormal maths is slow on CPUs
@@ -186,7 +187,9 @@ def run_peer(config: PeerConfig, stop: StopSignal) -> dict:
                 fragment_versions=syncer.versions, fragment_hashes=syncer.hashes,
                 rounds_ok=sync.rounds_ok, rounds_failed=sync.rounds_failed,
                 bytes_sent=sync.bytes_sent, bytes_received=sync.bytes_received,
-                utilization=float(stats.utilization), started=float(stats.first_step_start), time=time.time(),
+                utilization=float(stats.utilization),
+                goodput=float(min(1.0, stats.inner_time / max(1e-9, time.time() - launched))),
+                started=float(stats.first_step_start), time=time.time(),
             )
 
         status_line = StatusLine()

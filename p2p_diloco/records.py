@@ -42,6 +42,7 @@ class IslandProgress(BaseModel):
     bytes_sent: Count
     bytes_received: Count
     utilization: confloat(ge=0.0, le=1.0, strict=True)  # time in inner steps / wall time since first step
+    goodput: confloat(ge=0.0, le=1.0, strict=True)  # time in inner steps / wall time since the island started
     started: StrictFloat  # wall-clock time of the first inner step (0 before it)
     time: StrictFloat  # wall-clock time of this record
 

@@ -183,15 +183,16 @@ def visible_maddrs(dht) -> list[str]:
     return [str(maddr) for maddr in dht.get_visible_maddrs(latest=True)]
 
 
+async def _count_peers(_dht, node) -> int:  # module level: run_coroutine pickles it to the DHT process
+    return len(await node.p2p.list_peers())
+
+
 def count_connected_peers(dht) -> int:
-    """Number of libp2p peers this DHT's daemon is connected to (for log lines)."""
-
-    async def _count(_dht, node) -> int:
-        return len(await node.p2p.list_peers())
-
+    """Number of libp2p peers this DHT's daemon is connected to (for log lines); -1 if unknown."""
     try:
-        return int(dht.run_coroutine(_count))
-    except Exception:
+        return int(dht.run_coroutine(_count_peers))
+    except Exception as e:
+        logger.debug("could not count peers: %r", e)
         return -1
 
 

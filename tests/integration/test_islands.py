@@ -10,7 +10,7 @@ import time
 import pytest
 
 from p2p_diloco.localswarm import LocalSwarm, descendants, pid_alive, read_line
-from tests.integration.helpers import FAST, events_of, rounds_by_slot
+from tests.integration.helpers import FAST, events_of, rounds_by_slot, wait_for
 
 pytestmark = pytest.mark.integration
 
@@ -55,8 +55,10 @@ def test_bootstrap_identity_first_line_and_clean_shutdown(tmp_path):
     swarm = LocalSwarm(tmp_path, run_id="boot")
     key = tmp_path / "bootstrap.key"
     try:
-        first = swarm.start_bootstrap()
+        first = swarm.start_bootstrap("--summary-period", "1")
         assert stat.S_IMODE(os.stat(key).st_mode) == 0o600
+        wait_for(lambda: "swarm: 0 peers connected; run boot: 0 islands" in swarm.bootstrap.log_path.read_text(),
+                 timeout=30, message="the bootstrap's periodic swarm summary")
         peer_id = first[0].rsplit("/p2p/", 1)[1]
         swarm.bootstrap.remember_tree()
         children = list(swarm.bootstrap.tree)
