@@ -155,23 +155,17 @@ class Learner:
     @torch.no_grad()
     def service(self) -> None:
         """Apply finished rounds, then answer snapshot requests (called between inner steps)."""
-        while True:
-            try:
-                update = self._updates.get_nowait()
-            except queue.Empty:
-                break
+        for update in _drain(self._updates):
             params = self.fragment_params[update.fragment]
             if update.mode == "carry":
                 outer.apply_carry(params, update.tensors)
-            else:  # mix: theta <- alpha * theta + (1 - alpha) * Theta, tensors hold the second term
-                for param, scaled in zip(params, update.tensors, strict=True):
-                    param.mul_(update.alpha).add_(scaled.to(param.device))
+            elif update.mode == "mix":
+                outer.apply_mix(params, update.tensors, update.alpha)
+            else:  # replace
+                for param, theta in zip(params, update.tensors, strict=True):
+                    param.copy_(theta)
             self.stats.updates_applied += 1
-        while True:
-            try:
-                request = self._requests.get_nowait()
-            except queue.Empty:
-                break
+        for request in _drain(self._requests):
             with request.lock:
                 if request.cancelled:
                     continue  # the syncer gave up waiting
@@ -262,11 +256,16 @@ class Learner:
     def close(self) -> None:
         """Stop taking snapshot requests and release any that wait."""
         self._accepting = False
-        while True:
-            try:
-                request = self._requests.get_nowait()
-            except queue.Empty:
-                break
+        for request in _drain(self._requests):
             with request.lock:
                 request.cancelled = True
                 request.done.set()
+
+
+def _drain(items: queue.SimpleQueue):
+    """Yield what a queue holds now, without blocking."""
+    while True:
+        try:
+            yield items.get_nowait()
+        except queue.Empty:
+            return

@@ -43,10 +43,11 @@ class Snapshot:
 
 @dataclass
 class OuterUpdate:
-    """A new Theta_p for the learner to apply at its next step boundary.
+    """A new Theta_p for the learner to apply at its next step boundary (fp32 CPU tensors).
 
     ``mode == "carry"``: add ``tensors`` (Theta_new - base) to the live parameters.
-    ``mode == "mix"``: theta <- alpha * theta + ``tensors`` (already (1 - alpha) * Theta_new).
+    ``mode == "mix"``: theta <- alpha * theta + (1 - alpha) * ``tensors`` (Theta_new).
+    ``mode == "replace"``: theta <- ``tensors`` (Theta_new).
     """
 
     fragment: int
@@ -451,11 +452,10 @@ class Syncer:
     def _hand_over(self, p: int, state: FragmentState, *, base: Optional[list[torch.Tensor]], reason: str) -> None:
         """Send the new Theta_p to the learner; ``base`` is what the learner's progress is measured from
         (None: replace the local parameters outright)."""
-        if self.config.apply == "mix" and base is not None:
-            tensors = [theta * (1.0 - self.config.alpha) for theta in state.theta]
-            update = OuterUpdate(p, "mix", tensors, self.config.alpha, state.version, reason)
-        elif base is None:
-            update = OuterUpdate(p, "mix", [theta.clone() for theta in state.theta], 0.0, state.version, reason)
+        if base is None:
+            update = OuterUpdate(p, "replace", state.theta, 0.0, state.version, reason)
+        elif self.config.apply == "mix":
+            update = OuterUpdate(p, "mix", state.theta, self.config.alpha, state.version, reason)
         else:
             update = OuterUpdate(p, "carry", outer.carry_correction(state.theta, base), 0.0, state.version, reason)
         self.learner.deliver(update)

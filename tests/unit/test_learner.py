@@ -1,0 +1,86 @@
+"""The learner's step-boundary handshake with the syncer (no network)."""
+
+import threading
+
+import numpy as np
+import torch
+
+from p2p_diloco.config import InnerConfig
+from p2p_diloco.data import BatchSampler
+from p2p_diloco.fragments import balanced_layout
+from p2p_diloco.learner import Learner
+from p2p_diloco.model import ModelSpec, build_model
+from p2p_diloco.syncer import OuterUpdate
+
+SPEC = ModelSpec(hidden_size=16, num_layers=1, num_heads=2, intermediate_size=32, vocab_size=64, seq_len=8,
+                 batch_size=2)
+
+
+def _learner():
+    model = build_model(SPEC, 64, seed=0)
+    layout = balanced_layout([(n, p.numel()) for n, p in model.named_parameters()], 2)
+    sampler = BatchSampler(np.arange(1000) % 64, 2, 8, seed=0, island="t")
+    return Learner(model=model, layout=layout, next_batch=sampler.next_batch, eval_data=[sampler.next_batch()],
+                   device=torch.device("cpu"), inner=InnerConfig(warmup_steps=0))
+
+
+def _request_in_background(learner, fragment, timeout=5.0):
+    result = {}
+    thread = threading.Thread(target=lambda: result.update(snap=learner.request_snapshot(fragment, timeout)))
+    thread.start()
+    return thread, result
+
+
+def test_snapshot_copies_the_fragment_and_resets_its_counters():
+    learner = _learner()
+    for _ in range(3):
+        learner.train_step()
+    thread, result = _request_in_background(learner, 1)
+    while not learner._requests.qsize():
+        pass
+    learner.service()
+    thread.join()
+    snap = result["snap"]
+    assert snap.fragment == 1 and snap.steps == 3 and snap.tokens == 3 * 2 * 8
+    for copy, param in zip(snap.params, learner.fragment_params[1]):
+        assert torch.equal(copy, param) and copy.data_ptr() != param.data_ptr()
+    assert learner.steps_since == [3, 0] and learner.tokens_since[1] == 0
+
+
+def test_late_or_closed_requests_return_none_and_keep_counters():
+    learner = _learner()
+    learner.train_step()
+    assert learner.request_snapshot(0, timeout=0.05) is None  # nobody served it in time
+    learner.service()  # the cancelled request is skipped
+    assert learner.steps_since == [1, 1]
+    learner.close()
+    assert learner.request_snapshot(0, timeout=1.0) is None
+
+
+def test_updates_carry_mix_and_replace():
+    learner = _learner()
+    params = learner.fragment_params[0]
+    before = [p.detach().clone() for p in params]
+    base = [t - 0.5 for t in before]
+    new_global = [torch.full_like(t, 2.0) for t in before]
+    learner.deliver(OuterUpdate(0, "carry", [n - b for n, b in zip(new_global, base)], 0.0, 1, "round"))
+    learner.service()
+    for param, old in zip(params, before):  # Theta_new + (theta - base) = 2 + 0.5
+        torch.testing.assert_close(param.detach(), torch.full_like(old, 2.5))
+    learner.deliver(OuterUpdate(0, "mix", new_global, 0.5, 2, "round"))
+    learner.service()
+    for param in params:
+        torch.testing.assert_close(param.detach(), torch.full_like(param, 2.25))
+    learner.deliver(OuterUpdate(0, "replace", [torch.zeros_like(t) for t in before], 0.0, 3, "reload"))
+    learner.service()
+    assert all(torch.equal(p.detach(), torch.zeros_like(p)) for p in params)
+    assert learner.stats.updates_applied == 3
+
+
+def test_training_lowers_the_loss_and_times_the_steps():
+    learner = _learner()
+    first = learner.evaluate()
+    stop = threading.Event()
+    assert learner.run(stop, max_steps=60, eval_every=1e9) == "max_steps"
+    assert learner.evaluate() < first
+    assert 0.0 < learner.stats.utilization <= 1.0 and learner.stats.inner_steps == 60
