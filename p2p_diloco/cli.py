@@ -8,6 +8,7 @@ from __future__ import annotations
 import argparse
 import faulthandler
 import logging
+import os
 import signal
 import sys
 from typing import Optional, Sequence
@@ -23,6 +24,7 @@ EPILOG = """examples:
 
 
 def build_parser() -> argparse.ArgumentParser:
+    """The ``p2p-diloco`` argument parser: one subcommand per role, one flag per config field."""
     parser = argparse.ArgumentParser(
         prog="p2p-diloco",
         description="Peer-to-peer Decoupled DiLoCo on hivemind.",
@@ -59,7 +61,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def setup_logging(verbose: bool) -> None:
-    """Logs go to stderr (stdout stays machine-readable)."""
+    """Logs go to stderr (stdout stays machine-readable); hivemind's own chatter only with -v."""
     from p2p_diloco.transport import quiet_hivemind
 
     quiet_hivemind(verbose)
@@ -74,12 +76,16 @@ def setup_logging(verbose: bool) -> None:
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
+    """Entry point of ``p2p-diloco``; returns the exit code (0 ok, 1 helper died, 2 config/data,
+    3 network, 4 fingerprint, 130 interrupted)."""
     args = build_parser().parse_args(argv)
     setup_logging(args.verbose)
-    from p2p_diloco.procs import StopSignal, install_child_hooks
+    from p2p_diloco.procs import StopSignal, exit_with_parent, install_child_hooks
 
     install_child_hooks()
     stop = StopSignal().install()
+    if os.environ.get("P2P_DILOCO_EXIT_WITH_PARENT"):
+        exit_with_parent(stop)
     if hasattr(signal, "SIGUSR1"):  # `kill -USR1 <pid>` prints every thread's stack (debugging a hang)
         faulthandler.register(signal.SIGUSR1, all_threads=True)
     try:

@@ -34,3 +34,9 @@ class FingerprintMismatch(UserError):
     """The island's model/tokenizer/outer-algorithm fingerprint differs from the swarm's."""
 
     exit_code = 4
+
+
+class Interrupted(UserError):
+    """SIGINT/SIGTERM arrived before the command got going (while connecting, say)."""
+
+    exit_code = 130

@@ -4,19 +4,22 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import os
 import sys
+import tempfile
 import threading
 import time
 from collections import Counter
 from pathlib import Path
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 
 from p2p_diloco import data as data_lib
+from p2p_diloco import transport
 from p2p_diloco.config import PeerConfig
-from p2p_diloco.errors import ConfigError, FingerprintMismatch
+from p2p_diloco.errors import ConfigError, FingerprintMismatch, Interrupted
 from p2p_diloco.events import EventLog
 from p2p_diloco.fragments import balanced_layout
 from p2p_diloco.learner import Learner
@@ -24,7 +27,6 @@ from p2p_diloco.model import build_model, count_parameters, resolve_spec, run_fi
 from p2p_diloco.procs import StopSignal
 from p2p_diloco.records import IslandProgress, ProgressBoard, make_validators
 from p2p_diloco.syncer import Syncer
-from p2p_diloco import transport
 
 logger = logging.getLogger(__name__)
 
@@ -39,11 +41,18 @@ def resolve_device(choice: str) -> torch.device:
 
 
 class Reporter:
-    """Publishes this island's progress record every ``period`` seconds, reads the others', and shows
-    a status line (a live line on a TTY, a log line every few periods otherwise)."""
+    """Every ``period`` seconds: checks the island's helper processes, publishes its progress record,
+    reads the other islands' records and shows a status line.
 
-    def __init__(self, board: ProgressBoard, build_record, *, period: float, ttl: float, fingerprint: str,
-                 island: str, show, health, on_failure):
+    :param build_record: returns this island's :class:`IslandProgress` for a state name
+    :param show: takes (other islands' records, tick) and displays a status line
+    :param health: returns None, or why the island cannot go on (a dead helper process)
+    :param on_failure: called once when ``health`` reports a problem
+    """
+
+    def __init__(self, board: ProgressBoard, build_record: Callable[[str], IslandProgress], *, period: float,
+                 ttl: float, fingerprint: str, island: str, show: Callable[[list, int], None],
+                 health: Callable[[], Optional[str]], on_failure: Callable[[], None]):
         self.board, self.build_record, self.period, self.ttl = board, build_record, period, ttl
         self.fingerprint, self.island, self.show = fingerprint, island, show
         self.health, self.on_failure = health, on_failure
@@ -54,27 +63,33 @@ class Reporter:
         self._thread = threading.Thread(target=self._loop, name="reporter", daemon=True)
 
     def start(self) -> None:
+        """Start the background thread."""
         self._thread.start()
 
-    def swarm_versions(self) -> list[list[int]]:
-        """Fragment versions reported by the other live, training islands of this run."""
-        return [r.fragment_versions for r in self.others if r.state == "training" and r.fingerprint == self.fingerprint]
+    def swarm_bases(self) -> list[tuple[list[int], list[str]]]:
+        """(fragment versions, fragment hashes) of the other live, training islands of this run."""
+        return [(r.fragment_versions, r.fragment_hashes) for r in self.others
+                if r.state == "training" and r.fingerprint == self.fingerprint]
 
     def _loop(self) -> None:
-        ticks = 0
+        tick = 0
         while not self._stop.is_set():
-            self.failure = self.health()
-            if self.failure:
-                logger.error("%s: stopping the island", self.failure)
-                self.on_failure()
-                return
-            self.board.publish(self.build_record(self.state), self.ttl)
-            self.others = [r for r in self.board.read() if r.island != self.island]
-            self.show(self.others, ticks)
-            ticks += 1
+            try:
+                self.failure = self.health()
+                if self.failure:
+                    logger.error("%s: stopping the island", self.failure)
+                    self.on_failure()
+                    return
+                self.board.publish(self.build_record(self.state), self.ttl)
+                self.others = [r for r in self.board.read() if r.island != self.island]
+                self.show(self.others, tick)
+            except Exception as e:  # a display or record bug must not silence the island
+                logger.warning("progress report failed: %r", e)
+            tick += 1
             self._stop.wait(self.period)
 
     def stop(self) -> None:
+        """Stop the thread (waits for a DHT call in flight, bounded by the board's timeout)."""
         self._stop.set()
         self._thread.join(timeout=self.board.timeout + self.period)
 
@@ -93,208 +108,241 @@ class StatusLine:
             self.live.start()
 
     def update(self, text: str, tick: int) -> None:
+        """Show ``text`` (tick counts reports, for the non-TTY rate limit)."""
         if self.live is not None:
             self.live.update(text)
         elif tick % self.every == 0:
             logger.info(text)
 
     def close(self) -> None:
+        """Remove the live line."""
         if self.live is not None:
             self.live.stop()
 
 
-def run_peer(config: PeerConfig, stop: StopSignal) -> dict:
-    """Run one island until a limit or a signal; returns its summary (also written to --summary-json).
+class Island:
+    """One island of a run: everything that needs no network is prepared in ``__init__`` (so bad
+    input fails before the swarm is touched); :meth:`run` joins the swarm, trains and shuts down.
 
-    :raises UserError: for bad input (data, peers, fingerprint); nothing of the swarm is touched then
+    :param config: the validated peer configuration
+    :param stop: set by SIGINT/SIGTERM (or a dead helper process) to end the run
+    :raises UserError: for bad data, model or output settings
     """
-    launched = time.time()
-    if config.threads:
-        torch.set_num_threads(config.threads)
-    torch.set_flush_denormal(True)  # outer updates leave tiny values; denormal maths is slow on CPUs
-    device = resolve_device(config.device)
-    peers = transport.parse_maddrs(config.initial_peers, what="--initial-peers", need_peer_id=True)
-    transport.parse_maddrs(config.host_maddrs, what="--host-maddrs", need_peer_id=False)
-    transport.parse_maddrs(config.announce_maddrs, what="--announce-maddrs", need_peer_id=False)
-    transport.check_listen_ports(config.host_maddrs)
-    identity = transport.ensure_identity(config.identity_path) if config.identity_path else ""
 
-    try:
-        spec = resolve_spec(config.model)
-    except ValueError as e:
-        raise ConfigError(str(e)) from None
-    corpus = data_lib.load_corpus(config.data.path, config.data.tokenizer, spec.vocab_size, config.data.eval_fraction)
-    model = build_model(spec, corpus.vocab_size, config.model.seed).to(device)
-    named = list(model.named_parameters())
-    try:
-        layout = balanced_layout([(name, p.numel()) for name, p in named], config.outer.fragments)
-    except ValueError as e:
-        raise ConfigError(f"outer.fragments (--outer-fragments): {e}") from None
-    shapes = [[dict(named)[name].shape for name in names] for names in layout.fragments]
-    fingerprint = run_fingerprint(spec, corpus.vocab_size, config.model.seed, corpus.tokenizer_sha, config.outer)
-    shard_index = config.data.shard_index if config.data.shard_index >= 0 else data_lib.default_shard_index(
-        config.island, config.data.num_shards)
-    if shard_index >= config.data.num_shards:
-        raise ConfigError(f"data.shard_index (--data-shard-index) {shard_index} must be below data.num_shards "
-                          f"({config.data.num_shards})")
-    batch_size = config.inner.batch_size or spec.batch_size
-    sampler = data_lib.BatchSampler(corpus.shard(shard_index, config.data.num_shards), batch_size, spec.seq_len,
-                                    config.model.seed, config.island)
-    eval_data = data_lib.eval_batches(corpus.eval, config.eval_batches, batch_size, spec.seq_len)
-    logger.info(
-        "island %s: %s model, %.2fM parameters, %d fragments, device %s, shard %d/%d (%d tokens), fingerprint %s",
-        config.island, config.model.preset, count_parameters(model) / 1e6, layout.num_fragments, device,
-        shard_index, config.data.num_shards, len(sampler.tokens), fingerprint,
-    )
+    def __init__(self, config: PeerConfig, stop: StopSignal):
+        self.config, self.stop, self.launched = config, stop, time.time()
+        if config.threads:
+            torch.set_num_threads(config.threads)
+        self.device = resolve_device(config.device)
+        self.peers = transport.parse_maddrs(config.initial_peers, what="--initial-peers", need_peer_id=True)
+        transport.parse_maddrs(config.host_maddrs, what="--host-maddrs", need_peer_id=False)
+        transport.parse_maddrs(config.announce_maddrs, what="--announce-maddrs", need_peer_id=False)
+        transport.check_listen_ports(config.host_maddrs)
+        self.identity = transport.ensure_identity(config.identity_path) if config.identity_path else ""
+        if config.summary_json:
+            _check_writable(config.summary_json, "--summary-json")
+        try:
+            spec = resolve_spec(config.model)
+        except ValueError as e:
+            raise ConfigError(str(e)) from None
+        corpus = data_lib.load_corpus(config.data.path, config.data.tokenizer, spec.vocab_size,
+                                      config.data.eval_fraction)
+        self.model = build_model(spec, corpus.vocab_size, config.model.seed).to(self.device)
+        named = dict(self.model.named_parameters())
+        try:
+            self.layout = balanced_layout([(name, p.numel()) for name, p in named.items()], config.outer.fragments)
+        except ValueError as e:
+            raise ConfigError(f"outer.fragments (--outer-fragments): {e}") from None
+        self.shapes = [[named[name].shape for name in names] for names in self.layout.fragments]
+        self.fingerprint = run_fingerprint(spec, corpus.vocab_size, config.model.seed, corpus.tokenizer_sha,
+                                           config.outer)
+        shard = config.data.shard_index
+        if shard < 0:
+            shard = data_lib.default_shard_index(config.island, config.data.num_shards)
+        if shard >= config.data.num_shards:
+            raise ConfigError(f"data.shard_index (--data-shard-index) {shard} must be below data.num_shards "
+                              f"({config.data.num_shards})")
+        batch_size = config.inner.batch_size or spec.batch_size
+        sampler = data_lib.BatchSampler(corpus.shard(shard, config.data.num_shards), batch_size, spec.seq_len,
+                                        config.model.seed, config.island)
+        eval_data = data_lib.eval_batches(corpus.eval, config.eval_batches, batch_size, spec.seq_len)
+        try:
+            self.events = EventLog(config.log_jsonl, config.island)
+        except OSError as e:
+            raise ConfigError(f"--log-jsonl {config.log_jsonl}: cannot write ({e.strerror or e})") from None
+        self.learner = Learner(model=self.model, layout=self.layout, next_batch=sampler.next_batch,
+                               eval_data=eval_data, device=self.device, inner=config.inner,
+                               slowdown=config.slowdown, events=self.events)
+        self.device_name = torch.cuda.get_device_name(self.device) if self.device.type == "cuda" else "cpu"
+        logger.info(
+            "island %s: %s model, %.2fM parameters, %d fragments, device %s, shard %d/%d (%d tokens), fingerprint %s",
+            config.island, config.model.preset, count_parameters(self.model) / 1e6, self.layout.num_fragments,
+            self.device, shard, config.data.num_shards, len(sampler.tokens), self.fingerprint,
+        )
+        self.shard = shard
+        self.dht = None
+        self.syncer: Optional[Syncer] = None
+        self.reporter: Optional[Reporter] = None
+        self.status_line: Optional[StatusLine] = None
+        self.peer_id, self.maddrs = "", []
 
-    events = EventLog(config.log_jsonl, config.island)
-    validators, public_key = make_validators(config.run_id)
-    dht = transport.start_dht(
-        initial_peers=peers, host_maddrs=config.host_maddrs, announce_maddrs=config.announce_maddrs,
-        identity_path=identity, record_validators=validators, join_timeout=config.join_timeout, stop_event=stop.event,
-    )
-    learner: Optional[Learner] = None
-    syncer: Optional[Syncer] = None
-    reporter: Optional[Reporter] = None
-    status_line: Optional[StatusLine] = None
-    stop_reason = "error"
-    maddrs = transport.visible_maddrs(dht)
-    peer_id = str(dht.peer_id)
-    try:
-        board = ProgressBoard(dht, config.run_id, public_key)
-        others = [r for r in board.read() if r.island != config.island]
-        foreign = sorted({r.fingerprint for r in others if r.fingerprint != fingerprint})
-        if foreign:
+    # ------------------------------------------------------------------ phases
+
+    def run(self) -> Optional[dict]:
+        """Join, train until a limit or a signal, shut down; returns the summary (None if the island
+        never trained), also written to ``--summary-json``.
+
+        :raises UserError: unreachable peers, a refused fingerprint, an interruption while connecting
+        """
+        config = self.config
+        if self.stop.event.is_set():
+            raise Interrupted("interrupted before joining the swarm")
+        validators, public_key = make_validators(config.run_id)
+        self.dht = transport.start_dht(
+            initial_peers=self.peers, host_maddrs=config.host_maddrs, announce_maddrs=config.announce_maddrs,
+            identity_path=self.identity, record_validators=validators, join_timeout=config.join_timeout,
+            stop_event=self.stop.event,
+        )
+        summary, stop_reason = None, "error"
+        try:
+            self.peer_id, self.maddrs = str(self.dht.peer_id), transport.visible_maddrs(self.dht)
+            board = ProgressBoard(self.dht, config.run_id, public_key)
+            others = [r for r in board.read() if r.island != config.island]
+            self._check_fingerprint(others)
+            logger.info("island %s (peer %s) listening at %s", config.island, self.peer_id, " ".join(self.maddrs))
+            self.events({"event": "start", "peer_id": self.peer_id, "fingerprint": self.fingerprint,
+                         "maddrs": self.maddrs, "device": str(self.device), "shard": self.shard})
+            self.syncer = Syncer(
+                run_id=config.run_id, fingerprint=self.fingerprint, island=config.island, config=config.outer,
+                layout=self.layout, shapes=self.shapes, learner=self.learner, events=self.events,
+                swarm_bases=lambda: self.reporter.swarm_bases(),
+            )
+            self.syncer.create_averagers(self.dht)  # processes forked from the main thread
+            self.stop.install()  # hivemind's averager turned SIGINT off in this process
+            self.status_line = StatusLine()
+            self.reporter = Reporter(board, self._record, period=config.progress_period, ttl=config.progress_ttl,
+                                     fingerprint=self.fingerprint, island=config.island, show=self._show,
+                                     health=self._health, on_failure=self.stop.event.set)
+            self.reporter.start()
+            self._join([r for r in others if r.state == "training" and r.fingerprint == self.fingerprint])
+            self.syncer.start()
+            self.reporter.state = "training"
+            self.learner.evaluate()
+            stop_reason = self.learner.run(self.stop.event, max_steps=config.max_steps,
+                                           max_seconds=config.max_minutes * 60, eval_every=config.eval_every)
+            if self.reporter.failure:
+                stop_reason = "helper_died"
+            logger.info("stopping (%s)", stop_reason)
+        except KeyboardInterrupt:
+            stop_reason = "signal"
+        finally:
+            summary = self._finish(stop_reason)
+        return summary
+
+    def _check_fingerprint(self, others: list[IslandProgress]) -> None:
+        """Refuse to join a run whose training islands all have another fingerprint."""
+        training = [r for r in others if r.state == "training"]
+        if training and all(r.fingerprint != self.fingerprint for r in training):
+            theirs = ", ".join(sorted({r.fingerprint for r in training}))
             raise FingerprintMismatch(
-                f"run {config.run_id!r} trains fingerprint {', '.join(foreign)} but this island has {fingerprint}: "
+                f"run {self.config.run_id!r} trains fingerprint {theirs} but this island has {self.fingerprint}: "
                 "use the same --preset/--config/--tokenizer/--data and outer settings as the swarm, or another --run-id"
             )
-        logger.info("island %s (peer %s) listening at %s", config.island, peer_id, " ".join(maddrs))
-        events({"event": "start", "peer_id": peer_id, "fingerprint": fingerprint, "maddrs": maddrs,
-                "device": str(device), "shard": shard_index})
 
-        learner = Learner(model=model, layout=layout, next_batch=sampler.next_batch, eval_data=eval_data,
-                          device=device, inner=config.inner, slowdown=config.slowdown, events=events)
-        device_name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
-
-        def build_record(state: str) -> IslandProgress:
-            stats, sync = learner.stats, syncer.stats
-            return IslandProgress(
-                island=config.island, peer_id=peer_id, fingerprint=fingerprint, device=device_name, state=state,
-                maddrs=maddrs, inner_step=stats.inner_steps, tokens=stats.tokens,
-                tokens_per_second=float(learner.tokens_per_second()),
-                loss=_finite_or_none(stats.loss_ema), eval_loss=_finite_or_none(stats.eval_loss),
-                fragment_versions=syncer.versions, fragment_hashes=syncer.hashes,
-                rounds_ok=sync.rounds_ok, rounds_failed=sync.rounds_failed,
-                bytes_sent=sync.bytes_sent, bytes_received=sync.bytes_received,
-                utilization=float(stats.utilization),
-                goodput=float(min(1.0, stats.inner_time / max(1e-9, time.time() - launched))),
-                started=float(stats.first_step_start), time=time.time(),
-            )
-
-        status_line = StatusLine()
-
-        def show(others_now: list[IslandProgress], tick: int) -> None:
-            stats, sync = learner.stats, syncer.stats
-            loss = f"{stats.loss_ema:.3f}" if stats.loss_ema is not None else "-"
-            eval_loss = f"{stats.eval_loss:.3f}" if stats.eval_loss is not None else "-"
-            status_line.update(
-                f"{config.island}: step {stats.inner_steps} | {stats.tokens / 1e6:.2f}M tok | "
-                f"{learner.tokens_per_second():,.0f} tok/s | loss {loss} | eval {eval_loss} | "
-                f"v{syncer.versions} | rounds {sync.rounds_ok} ok/{sync.rounds_failed} failed | "
-                f"util {stats.utilization:.3f} | {len(others_now)} other islands", tick)
-
-        syncer = Syncer(
-            run_id=config.run_id, fingerprint=fingerprint, island=config.island, config=config.outer, layout=layout,
-            shapes=shapes, learner=learner, events=events, swarm_versions=lambda: reporter.swarm_versions(),
-        )
-        syncer.create_averagers(dht)  # processes forked from the main thread
-        stop.install()  # hivemind's averager turned SIGINT off in this process
-        def health() -> Optional[str]:
-            """hivemind's helper processes must live as long as the island; a dead one is fatal."""
-            if not dht.is_alive():
-                return f"the DHT process died (exit code {dht.exitcode})"
-            for p, averager in enumerate(syncer.averagers):
-                if not averager.is_alive():
-                    return f"the averager of fragment {p} died (exit code {averager.exitcode})"
-            return None
-
-        reporter = Reporter(board, build_record, period=config.progress_period, ttl=config.progress_ttl,
-                            fingerprint=fingerprint, island=config.island, show=show, health=health,
-                            on_failure=stop.event.set)
-        reporter.start()
-
-        donors = [r for r in others if r.state == "training" and r.fingerprint == fingerprint]
+    def _join(self, donors: list[IslandProgress]) -> None:
+        """Download the global parameters from live islands, or start from the seeded initial weights."""
+        syncer = self.syncer
         if donors:
             logger.info("joining: downloading global parameters from %d live island(s)", len(donors))
-            if syncer.load_from_peers(timeout=config.join_timeout, stop=stop.event):
-                for p in range(layout.num_fragments):
-                    learner.load_global(p, syncer.global_params(p))
+            if syncer.load_from_peers(timeout=self.config.join_timeout, stop=self.stop.event):
+                for p in range(self.layout.num_fragments):
+                    self.learner.load_global(p, syncer.global_params(p))
                 logger.info("joined at fragment versions %s", syncer.versions)
-            elif stop.event.is_set():
+                return
+            if self.stop.event.is_set():
                 raise KeyboardInterrupt
-            else:
-                logger.warning("could not download the global parameters; starting from the initial weights "
-                               "(the first shared round will reload them)")
-                syncer.initialize(learner.fragment_params)
-        else:
-            syncer.initialize(learner.fragment_params)
-        syncer.start()
-        reporter.state = "training"
-        learner.evaluate()
-        stop_reason = learner.run(stop.event, max_steps=config.max_steps, max_seconds=config.max_minutes * 60,
-                                  eval_every=config.eval_every)
-        if reporter.failure:
-            stop_reason = "helper_died"
-        logger.info("stopping (%s)", stop_reason)
-    except KeyboardInterrupt:
-        stop_reason = "signal"
-    finally:
+            logger.warning("could not download the global parameters; starting from the initial weights "
+                           "(the first round's base check reloads them)")
+        syncer.initialize(self.learner.fragment_params)
+
+    def _finish(self, stop_reason: str) -> Optional[dict]:
+        """Stop rounds, evaluate, write the summary, then shut down; each step runs even if one fails."""
+        learner, syncer, reporter = self.learner, self.syncer, self.reporter
         if reporter is not None:
             reporter.state = "stopping"
-        if learner is not None:
-            learner.close()
-        if syncer is not None:
-            syncer.stop(timeout=config.outer.allreduce_timeout + config.outer.grace_window + 2.0)
+        learner.close()
         summary = None
-        if learner is not None and syncer is not None and stop_reason != "error":
-            if learner.stats.inner_steps:
-                learner.evaluate()
-            summary = make_summary(config, learner, syncer, peer_id, fingerprint, str(device), stop_reason,
-                                   count_parameters(model))
-        if reporter is not None:
-            reporter.stop()
-            if dht.is_alive():
-                reporter.board.withdraw()
-        if status_line is not None:
-            status_line.close()
-        events({"event": "stop", "reason": stop_reason})
-        events.close()
-        try:
-            if dht.is_alive():
-                dht.shutdown()
-        except Exception as e:
-            logger.debug("dht shutdown: %r", e)
         if syncer is not None:
-            syncer.close()
-    if summary is not None and config.summary_json:
-        write_json_atomic(config.summary_json, summary)
-    return summary
+            _quietly(lambda: syncer.stop(timeout=self.config.outer.allreduce_timeout + self.config.outer.grace_window + 2.0),
+                     "stopping rounds")
+            if stop_reason != "error" and learner.stats.inner_steps:
+                _quietly(learner.evaluate, "final evaluation")
+                summary = make_summary(self, stop_reason)
+                if self.config.summary_json:
+                    _quietly(lambda: write_json_atomic(self.config.summary_json, summary), "writing the summary")
+        if reporter is not None:
+            _quietly(reporter.stop, "stopping the reporter")
+            if self.dht.is_alive():
+                _quietly(reporter.board.withdraw, "withdrawing the progress record")
+        if self.status_line is not None:
+            self.status_line.close()
+        self.events({"event": "stop", "reason": stop_reason})
+        self.events.close()
+        if self.dht is not None and self.dht.is_alive():
+            _quietly(self.dht.shutdown, "shutting down the DHT")
+        if syncer is not None:
+            _quietly(syncer.close, "ending the averagers")
+        return summary
+
+    # ------------------------------------------------------------------ reporting
+
+    def _record(self, state: str) -> IslandProgress:
+        stats, sync, learner = self.learner.stats, self.syncer.stats, self.learner
+        return IslandProgress(
+            island=self.config.island, peer_id=self.peer_id, fingerprint=self.fingerprint, device=self.device_name,
+            state=state, maddrs=self.maddrs, inner_step=stats.inner_steps, tokens=stats.tokens,
+            tokens_per_second=float(learner.tokens_per_second()),
+            loss=_finite_or_none(stats.loss_ema), eval_loss=_finite_or_none(stats.eval_loss),
+            fragment_versions=self.syncer.versions, fragment_hashes=self.syncer.hashes,
+            rounds_ok=sync.rounds_ok, rounds_failed=sync.rounds_failed,
+            bytes_sent=sync.bytes_sent, bytes_received=sync.bytes_received,
+            utilization=float(stats.utilization),
+            goodput=float(min(1.0, stats.inner_time / max(1e-9, time.time() - self.launched))),
+            started=float(stats.first_step_start), time=time.time(),
+        )
+
+    def _show(self, others: list[IslandProgress], tick: int) -> None:
+        stats, sync = self.learner.stats, self.syncer.stats
+        loss = f"{stats.loss_ema:.3f}" if stats.loss_ema is not None else "-"
+        eval_loss = f"{stats.eval_loss:.3f}" if stats.eval_loss is not None else "-"
+        self.status_line.update(
+            f"{self.config.island}: step {stats.inner_steps} | {stats.tokens / 1e6:.2f}M tok | "
+            f"{self.learner.tokens_per_second():,.0f} tok/s | loss {loss} | eval {eval_loss} | "
+            f"v{self.syncer.versions} | rounds {sync.rounds_ok} ok/{sync.rounds_failed} failed | "
+            f"util {stats.utilization:.3f} | {len(others)} other islands", tick)
+
+    def _health(self) -> Optional[str]:
+        """hivemind's helper processes must live as long as the island; a dead one is fatal."""
+        if not self.dht.is_alive():
+            return f"the DHT process died (exit code {self.dht.exitcode})"
+        for p, averager in enumerate(self.syncer.averagers):
+            if not averager.is_alive():
+                return f"the averager of fragment {p} died (exit code {averager.exitcode})"
+        return None
 
 
-def make_summary(config: PeerConfig, learner: Learner, syncer: Syncer, peer_id: str, fingerprint: str,
-                 device: str, stop_reason: str, parameters: int) -> dict:
-    """The island's end-of-run figures (what ``--summary-json`` holds)."""
-    stats, sync = learner.stats, syncer.stats
+def make_summary(island: Island, stop_reason: str) -> dict:
+    """The island's end-of-run figures (what ``--summary-json`` holds; times in seconds, traffic in bytes)."""
+    config, stats, sync = island.config, island.learner.stats, island.syncer.stats
     outer_periods = stats.wall_time / config.outer.period if stats.wall_time else 0.0
     return {
         "island": config.island,
         "run_id": config.run_id,
-        "peer_id": peer_id,
-        "fingerprint": fingerprint,
-        "device": device,
+        "peer_id": island.peer_id,
+        "fingerprint": island.fingerprint,
+        "device": str(island.device),
         "preset": config.model.preset,
-        "parameters": parameters,
+        "parameters": count_parameters(island.model),
         "stop_reason": stop_reason,
         "wall_seconds": round(stats.wall_time, 3),
         "inner_steps": stats.inner_steps,
@@ -306,7 +354,7 @@ def make_summary(config: PeerConfig, learner: Learner, syncer: Syncer, peer_id: 
         "outer_rounds_skipped": sync.rounds_skipped,
         "group_sizes": {str(k): v for k, v in sorted(Counter(sync.group_sizes).items())},
         "state_downloads": sync.reloads,
-        "fragment_versions": syncer.versions,
+        "fragment_versions": island.syncer.versions,
         "loss_first": stats.loss_first,
         "loss_last": stats.loss,
         "eval_loss_first": stats.eval_loss_first,
@@ -318,6 +366,11 @@ def make_summary(config: PeerConfig, learner: Learner, syncer: Syncer, peer_id: 
     }
 
 
+def run_peer(config: PeerConfig, stop: StopSignal) -> Optional[dict]:
+    """Run one island until a limit or a signal; returns its summary (see :class:`Island`)."""
+    return Island(config, stop).run()
+
+
 def write_json_atomic(path: str, payload: dict) -> None:
     """Write JSON through a temporary file and a rename, so readers never see half a file."""
     target = Path(path).expanduser()
@@ -327,7 +380,23 @@ def write_json_atomic(path: str, payload: dict) -> None:
     os.replace(tmp, target)
 
 
-def _finite_or_none(value: Optional[float]) -> Optional[float]:
-    import math
+def _check_writable(path: str, flag: str) -> None:
+    """Fail at startup, not after the run, when an output file cannot be written."""
+    folder = Path(path).expanduser().absolute().parent
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+        with tempfile.NamedTemporaryFile(dir=folder, prefix=".p2p_diloco_check"):
+            pass
+    except OSError as e:
+        raise ConfigError(f"{flag} {path}: cannot write in {folder} ({e.strerror or e})") from None
 
+
+def _quietly(action: Callable[[], object], what: str) -> None:
+    try:
+        action()
+    except Exception as e:
+        logger.warning("%s failed: %r", what, e)
+
+
+def _finite_or_none(value: Optional[float]) -> Optional[float]:
     return float(value) if value is not None and math.isfinite(value) else None

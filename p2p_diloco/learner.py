@@ -1,4 +1,5 @@
-"""The learner: the inner loop of one island on its device (DESIGN.md, "Learner").
+"""The learner: the inner loop of one island on its device (DESIGN.md, "Learner"; DiLoCo,
+arXiv 2311.08105, Alg. 1, inner loop).
 
 It never waits on the network. Between two inner steps it answers the syncer's snapshot requests
 (copies of one fragment's parameters) and applies finished rounds; everything else happens in the
@@ -38,22 +39,26 @@ class _SnapshotRequest:
 
 @dataclass
 class LearnerStats:
-    """Counters read by the progress reporter and the summary (written by the learner thread only)."""
+    """Counters read by the progress reporter and the summary (written by the learner thread only).
+
+    Times are seconds; ``first_step_start`` and ``last_step_end`` are wall-clock seconds since the epoch.
+    """
 
     inner_steps: int = 0
     tokens: int = 0
-    loss: Optional[float] = None  # last step
+    loss: Optional[float] = None  # last step, nats/token
     loss_ema: Optional[float] = None
     loss_first: Optional[float] = None
     eval_loss: Optional[float] = None
     eval_loss_first: Optional[float] = None
-    first_step_start: float = 0.0  # wall clock, seconds since the epoch
+    first_step_start: float = 0.0
     last_step_end: float = 0.0
-    inner_time: float = 0.0  # seconds spent inside inner steps
+    inner_time: float = 0.0  # spent inside inner steps
     updates_applied: int = 0
 
     @property
     def wall_time(self) -> float:
+        """Seconds from the start of the first inner step to the end of the last."""
         return max(0.0, self.last_step_end - self.first_step_start) if self.first_step_start else 0.0
 
     @property
@@ -66,11 +71,14 @@ class LearnerStats:
 class Learner:
     """Inner AdamW training of one model replica.
 
-    :param model: the causal LM, already on ``device``
+    :param model: the causal LM, already on ``device``; fp32 parameters
     :param layout: fragment layout over ``model.named_parameters()``
     :param next_batch: returns a (B, T+1) int64 CPU tensor of token windows
-    :param eval_data: fixed held-out (B, T+1) batches
-    :param slowdown: each inner step is stretched to this many times its compute time (>= 1)
+    :param eval_data: fixed held-out (B, T+1) int64 batches
+    :param device: where the model lives; on CUDA the forward pass runs under bf16 autocast
+    :param inner: AdamW settings and warm-up
+    :param slowdown: each inner step is stretched to this many times its compute time (>= 1), to
+        simulate a slower device
     :param events: callable taking an event dict (the JSONL log)
     """
 
@@ -103,8 +111,8 @@ class Learner:
         self.grad_clip = inner.grad_clip
         self.autocast = device.type == "cuda"
         self.stats = LearnerStats()
-        self.tokens_since = [0] * layout.num_fragments
-        self.steps_since = [0] * layout.num_fragments
+        # (tokens, steps) totals at each fragment's last snapshot: what a snapshot reports is the difference
+        self.marks = [(0, 0)] * layout.num_fragments
         self._requests: "queue.SimpleQueue[_SnapshotRequest]" = queue.SimpleQueue()
         self._updates: "queue.SimpleQueue[OuterUpdate]" = queue.SimpleQueue()
         self._accepting = True
@@ -117,7 +125,7 @@ class Learner:
         """Ask for a copy of fragment ``fragment``'s parameters, taken at the next step boundary.
 
         Resets that fragment's token/step counters. Returns None if the learner has stopped or does
-        not reach a step boundary within ``timeout`` seconds.
+        not reach a step boundary within ``timeout`` seconds (the request is then dropped).
         """
         if not self._accepting:
             return None
@@ -138,7 +146,7 @@ class Learner:
         return self._step_time_ema
 
     def tokens_per_second(self) -> float:
-        """Tokens per second over the last steps."""
+        """Tokens per second over the last (up to 64) inner steps."""
         if len(self._throughput) < 2:
             return 0.0
         (t0, n0), (t1, n1) = self._throughput[0], self._throughput[-1]
@@ -152,9 +160,14 @@ class Learner:
         for param, value in zip(self.fragment_params[fragment], theta, strict=True):
             param.copy_(value.to(param.device))
 
-    @torch.no_grad()
     def service(self) -> None:
         """Apply finished rounds, then answer snapshot requests (called between inner steps)."""
+        self.apply_updates()
+        self.answer_snapshots()
+
+    @torch.no_grad()
+    def apply_updates(self) -> None:
+        """Apply every queued :class:`OuterUpdate` to the live parameters."""
         for update in _drain(self._updates):
             params = self.fragment_params[update.fragment]
             if update.mode == "carry":
@@ -164,41 +177,52 @@ class Learner:
             else:  # replace
                 for param, theta in zip(params, update.tensors, strict=True):
                     param.copy_(theta)
+                    if update.reset_optimizer:
+                        self.optimizer.state.pop(param, None)  # AdamW starts these moments afresh
             self.stats.updates_applied += 1
+
+    @torch.no_grad()
+    def answer_snapshots(self) -> None:
+        """Copy the requested fragments to CPU fp32 and report the tokens/steps since their last copy."""
         for request in _drain(self._requests):
             with request.lock:
                 if request.cancelled:
                     continue  # the syncer gave up waiting
                 p = request.fragment
                 copies = [param.detach().to("cpu", torch.float32, copy=True) for param in self.fragment_params[p]]
-                request.result = Snapshot(p, copies, self.tokens_since[p], self.steps_since[p], time.time())
-                self.tokens_since[p] = self.steps_since[p] = 0
+                tokens, steps = self.stats.tokens, self.stats.inner_steps
+                request.result = Snapshot(p, copies, tokens - self.marks[p][0], steps - self.marks[p][1])
+                self.marks[p] = (tokens, steps)
                 request.done.set()
 
-    def train_step(self) -> float:
-        """One inner step: forward, backward, clip, AdamW. Returns the training loss."""
-        start_wall, start = time.time(), time.perf_counter()
-        if not self.stats.first_step_start:
-            self.stats.first_step_start = start_wall
-        batch = self.next_batch().to(self.device, non_blocking=True)  # (B, T+1)
+    def _loss(self, batch: torch.Tensor) -> torch.Tensor:
+        """Mean next-token cross-entropy (nats/token) of a (B, T+1) batch; fp32 under autocast."""
+        batch = batch.to(self.device, non_blocking=True)
         inputs, targets = batch[:, :-1], batch[:, 1:]
         with torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self.autocast):
             logits = self.model(input_ids=inputs).logits  # (B, T, V)
-        loss = F.cross_entropy(logits.float().reshape(-1, logits.size(-1)), targets.reshape(-1))
+            return F.cross_entropy(logits.reshape(-1, logits.size(-1)), targets.reshape(-1))
+
+    def train_step(self) -> float:
+        """One inner step: forward, backward, clip, AdamW. Returns the training loss (nats/token)."""
+        start_wall, start = time.time(), time.perf_counter()
+        if not self.stats.first_step_start:
+            self.stats.first_step_start = start_wall
+        batch = self.next_batch()
+        loss = self._loss(batch)
         loss.backward()
         if self.grad_clip > 0:
             torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.grad_clip)
         self.optimizer.step()
         self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
-        value = float(loss.item())
+        value = float(loss.item())  # the per-step loss is logged; on CUDA this waits for the step
         if self.slowdown > 1.0:
             time.sleep((self.slowdown - 1.0) * (time.perf_counter() - start))
         elapsed = time.perf_counter() - start
-        tokens = inputs.numel()
         stats = self.stats
         stats.inner_steps += 1
-        stats.tokens += tokens
+        stats.tokens += batch.size(0) * (batch.size(1) - 1)
         stats.inner_time += elapsed
         stats.last_step_end = start_wall + elapsed
         stats.loss = value
@@ -206,9 +230,6 @@ class Learner:
             stats.loss_first = value
         if math.isfinite(value):
             stats.loss_ema = value if stats.loss_ema is None else 0.9 * stats.loss_ema + 0.1 * value
-        for p in range(len(self.tokens_since)):
-            self.tokens_since[p] += tokens
-            self.steps_since[p] += 1
         self._step_time_ema = elapsed if not self._step_time_ema else 0.9 * self._step_time_ema + 0.1 * elapsed
         self._throughput.append((stats.last_step_end, stats.tokens))
         self.events({"event": "step", "t": stats.last_step_end, "dt": elapsed, "step": stats.inner_steps,
@@ -217,16 +238,14 @@ class Learner:
 
     @torch.no_grad()
     def evaluate(self) -> float:
-        """Mean loss over the fixed held-out batches."""
+        """Mean loss over the fixed held-out batches (nats/token); snapshot requests that arrive
+        meanwhile are answered between batches, so an eval never makes a round miss its slot."""
         was_training = self.model.training
         self.model.eval()
         total = 0.0
         for batch in self.eval_data:
-            batch = batch.to(self.device)
-            inputs, targets = batch[:, :-1], batch[:, 1:]
-            with torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self.autocast):
-                logits = self.model(input_ids=inputs).logits
-            total += float(F.cross_entropy(logits.float().reshape(-1, logits.size(-1)), targets.reshape(-1)))
+            total += float(self._loss(batch))
+            self.answer_snapshots()
         self.model.train(was_training)
         value = total / len(self.eval_data)
         self.stats.eval_loss = value
@@ -237,7 +256,13 @@ class Learner:
 
     def run(self, stop: threading.Event, *, max_steps: int = 0, max_seconds: float = 0.0,
             eval_every: float = 60.0) -> str:
-        """Train until ``stop`` is set or a limit is reached; returns why it stopped."""
+        """Train until ``stop`` is set or a limit is reached.
+
+        :param max_steps: stop after this many inner steps in total (0: no limit)
+        :param max_seconds: stop this many seconds after the first step started (0: no limit)
+        :param eval_every: seconds between held-out evaluations
+        :returns: why it stopped: ``"signal"``, ``"max_steps"`` or ``"max_minutes"``
+        """
         self.model.train()
         last_eval = time.monotonic()
         while True:

@@ -115,7 +115,8 @@ class LocalSwarm:
         self.workdir = Path(workdir)
         self.workdir.mkdir(parents=True, exist_ok=True)
         self.run_id = run_id
-        self.env = os.environ.copy() | {"PYTHONUNBUFFERED": "1"} | (env or {})
+        # children end themselves if this launcher dies without stopping them (procs.exit_with_parent)
+        self.env = os.environ.copy() | {"PYTHONUNBUFFERED": "1", "P2P_DILOCO_EXIT_WITH_PARENT": "1"} | (env or {})
         self.bootstrap: Optional[Managed] = None
         self.initial_peers: list[str] = []
         self.islands: dict[str, Managed] = {}

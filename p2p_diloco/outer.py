@@ -46,8 +46,8 @@ def token_weight(tokens: int, steps: int) -> float:
 def weighted_mean(deltas: Sequence[Tensors], weights: Sequence[float]) -> list[torch.Tensor]:
     """Reference weighted mean sum(w_i * Delta_i) / sum(w_i) of several islands' pseudo-gradients.
 
-    What a round's all-reduce computes (hivemind's weighted average); used by tests and by the
-    fallback of a group of one. Raises ValueError when the weights sum to zero.
+    What a round's all-reduce computes (hivemind's weighted average), as a reference for tests.
+    Raises ValueError when the weights sum to zero.
     """
     total = float(sum(weights))
     if total <= 0.0:
@@ -92,7 +92,8 @@ def carry_correction(new_global: Tensors, base: Tensors) -> list[torch.Tensor]:
     """What to add to the island's live parameters so they become Theta_new + (theta_now - base).
 
     ``base`` is the snapshot whose progress went into the round: the inner progress made after it
-    (while the round ran) is kept on top of the new global parameters.
+    (while the round ran, the overlap of Streaming DiLoCo, arXiv 2501.18512, Sec. 2.3, and eager
+    updates, arXiv 2502.12996) is kept on top of the new global parameters instead of being lost.
     """
     return [theta_new - theta_base for theta_new, theta_base in zip(new_global, base, strict=True)]
 
@@ -118,29 +119,44 @@ def apply_mix(local: Tensors, new_global: Tensors, alpha: float) -> None:
 
 
 def wire_offset(max_delta: float) -> float:
-    """The power of two C >= 4 * max_delta that pseudo-gradients are shifted by on the wire."""
+    """The power of two C >= 4 * max_delta that pseudo-gradients are shifted by on the wire.
+
+    :raises ValueError: if max_delta is not positive
+    """
+    if not max_delta > 0:
+        raise ValueError(f"max_delta must be positive, got {max_delta}")
     return 2.0 ** math.ceil(math.log2(4.0 * max_delta))
 
 
 @torch.no_grad()
-def encode_for_wire(delta: Tensors, out: Tensors, offset: float) -> int:
-    """out <- C + clamp(Delta, -C/4, C/4): what a member puts into the averaged tensors.
+def clip_(tensors: Tensors, bound: float) -> int:
+    """Clamp every element to [-bound, bound] in place; returns how many elements were clipped.
+
+    A sanity bound on pseudo-gradients (``outer.max_delta``): a healthy outer gradient is far below
+    it, and the wire encoding needs |Delta| <= C/4.
+    """
+    clipped = 0
+    for tensor in tensors:
+        clipped += int((tensor.abs() > bound).sum())
+        tensor.clamp_(-bound, bound)
+    return clipped
+
+
+@torch.no_grad()
+def encode_for_wire(delta: Tensors, out: Tensors, offset: float) -> None:
+    """out <- C + Delta: what a member puts into the averaged tensors. Requires |Delta| <= C/4
+    (apply :func:`clip_` with a bound of at most ``offset / 4`` first).
 
     hivemind's all-reduce hands each member ``y_i + (avg - y_i)``, computed in fp32. Because every
     value lies in [0.75 C, 1.25 C], within a factor of two of every other, ``avg - y_i`` is exact
     (Sterbenz lemma) and so is ``y_i + (avg - y_i) == avg``: all members receive the same bits, so
     members that start from the same Theta end with the same Theta. The price is absolute precision
-    of C * 2^-24 on each element.
-
-    :returns: the number of elements that were clipped to +-C/4
+    of C * 2^-24 on each element. The argument needs uncompressed fp32 on the wire and every part of
+    the all-reduce to succeed; a part whose reducer failed leaves each member its own values, which
+    the island's base check (version and hash against the swarm's) detects and repairs.
     """
-    bound = offset / 4.0
-    clipped = 0
     for source, target in zip(delta, out, strict=True):
-        clipped += int((source.abs() > bound).sum())
-        torch.clamp(source, -bound, bound, out=target)
-        target.add_(offset)
-    return clipped
+        torch.add(source, offset, out=target)
 
 
 @torch.no_grad()

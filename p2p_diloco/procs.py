@@ -68,6 +68,7 @@ class StopSignal:
         self.received: str | None = None
 
     def install(self) -> "StopSignal":
+        """Install the handlers (main thread only); returns self."""
         signal.signal(signal.SIGINT, self._handle)
         signal.signal(signal.SIGTERM, self._handle)
         return self
@@ -80,3 +81,19 @@ class StopSignal:
         self.received = name
         logger.info("%s received: finishing the current step and shutting down (again to force)", name)
         self.event.set()
+
+
+def exit_with_parent(stop: StopSignal, interval: float = 1.0) -> None:
+    """Set ``stop`` when the process that started us exits (launchers such as the demo set
+    ``P2P_DILOCO_EXIT_WITH_PARENT=1`` so a SIGKILLed launcher leaves no swarm behind)."""
+    parent = os.getppid()
+
+    def watch() -> None:
+        while not stop.event.wait(interval):
+            if os.getppid() != parent:
+                logger.warning("the launcher (pid %d) exited: shutting down", parent)
+                stop.received = "parent exit"
+                stop.event.set()
+                return
+
+    threading.Thread(target=watch, name="parent-watch", daemon=True).start()

@@ -48,6 +48,8 @@ class IslandProgress(BaseModel):
 
 
 class ProgressSchema(BaseModel):
+    """The DHT value under ``{run_id}_progress``: one signed record per island public key."""
+
     progress: Dict[BytesWithPublicKey, Optional[IslandProgress]]
 
 
@@ -72,18 +74,27 @@ class ProgressBoard:
     def __init__(self, dht, run_id: str, public_key: bytes, *, timeout: float = 10.0):
         self.dht, self.key, self.public_key, self.timeout = dht, progress_key(run_id), public_key, timeout
         self._lock = threading.Lock()
+        self._withdrawn = False
+        self._last_expiration = 0.0
 
     def publish(self, record: IslandProgress, ttl: float) -> bool:
-        """Store this island's record for ``ttl`` seconds; False if the DHT did not accept it in time."""
+        """Store this island's record for ``ttl`` seconds; False if the DHT did not accept it in time
+        or the record was withdrawn."""
         return self._store(record.dict(), get_dht_time() + ttl)
 
     def withdraw(self) -> bool:
-        """Replace this island's record by an empty one so observers drop it at once."""
-        return self._store(None, get_dht_time() + self.timeout)
+        """Replace this island's record by an empty one so observers drop it at once; later
+        :meth:`publish` calls do nothing."""
+        # the DHT keeps the value with the latest expiration: outlast the last record we published
+        return self._store(None, max(get_dht_time() + self.timeout, self._last_expiration + 1.0), final=True)
 
-    def _store(self, value, expiration_time: float) -> bool:
+    def _store(self, value, expiration_time: float, final: bool = False) -> bool:
         try:
             with self._lock:
+                if self._withdrawn:
+                    return False
+                self._withdrawn = final
+                self._last_expiration = max(self._last_expiration, expiration_time)
                 future = self.dht.store(
                     self.key, subkey=self.public_key, value=value, expiration_time=expiration_time, return_future=True
                 )

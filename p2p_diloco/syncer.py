@@ -1,11 +1,16 @@
 """The syncer: the island's copy of the global parameters Theta, the outer optimizer state and the
-fragment versions, and the outer rounds that update them (DESIGN.md, "Syncer").
+fragment versions, and the outer rounds that update them (DESIGN.md, "Syncer"; Decoupled DiLoCo,
+arXiv 2604.21428; Streaming DiLoCo, arXiv 2501.18512, Alg. 1).
 
 One background thread per fragment waits for that fragment's slot on the swarm-wide clock, takes a
 snapshot of the island's parameters from the learner (at a step boundary, without waiting), runs the
 averaging round through hivemind, applies the outer step and hands the result back. Nothing here
 blocks the inner loop: a round that fails or finds nobody falls back to the island's own
 pseudo-gradient (a group of one), and a round that is late only delivers its result later.
+
+Threads: the main thread calls everything up to :meth:`Syncer.start` and then :meth:`Syncer.stop`
+and :meth:`Syncer.close`; fragment p's thread alone replaces ``states[p]`` (a reference swap, read
+anywhere); hivemind's fetch thread calls :meth:`Syncer._donate` when a peer downloads a fragment.
 """
 
 from __future__ import annotations
@@ -35,19 +40,20 @@ class Snapshot:
     """The island's parameters of one fragment at a step boundary, and what produced them."""
 
     fragment: int
-    params: list[torch.Tensor]  # fp32 CPU copies, fragment order
+    params: list[torch.Tensor]  # fp32 CPU copies in fragment order, shapes as the parameters
     tokens: int  # tokens trained since this fragment's previous snapshot
     steps: int  # inner steps in that time
-    time: float
 
 
 @dataclass
 class OuterUpdate:
-    """A new Theta_p for the learner to apply at its next step boundary (fp32 CPU tensors).
+    """A new Theta_p for the learner to apply at its next step boundary (fp32 CPU tensors, not to be
+    modified).
 
     ``mode == "carry"``: add ``tensors`` (Theta_new - base) to the live parameters.
     ``mode == "mix"``: theta <- alpha * theta + (1 - alpha) * ``tensors`` (Theta_new).
-    ``mode == "replace"``: theta <- ``tensors`` (Theta_new).
+    ``mode == "replace"``: theta <- ``tensors`` (Theta_new); with ``reset_optimizer`` the inner
+    optimizer's state of these parameters is cleared too (after NaN/Inf).
     """
 
     fragment: int
@@ -55,23 +61,28 @@ class OuterUpdate:
     tensors: list[torch.Tensor]
     alpha: float
     version: int
-    reason: str  # round | fallback | reload
+    reason: str  # the round outcome that produced it, or "reload"
+    reset_optimizer: bool = False
 
 
 class LearnerLink(Protocol):
-    """What the syncer needs from the learner; both calls are safe from any thread."""
+    """What the syncer needs from the learner; every member is safe to call from any thread."""
 
-    def request_snapshot(self, fragment: int, timeout: float) -> Optional[Snapshot]: ...
+    def request_snapshot(self, fragment: int, timeout: float) -> Optional[Snapshot]:
+        """A snapshot taken at the learner's next step boundary, or None after ``timeout`` seconds."""
 
-    def deliver(self, update: OuterUpdate) -> None: ...
+    def deliver(self, update: OuterUpdate) -> None:
+        """Queue an update for the learner's next step boundary."""
 
     @property
-    def step_time(self) -> float: ...
+    def step_time(self) -> float:
+        """Smoothed seconds per inner step."""
 
 
 @dataclass
 class FragmentState:
-    """Theta_p, its outer momentum m_p, version v_p and hash; replaced as a whole, never mutated."""
+    """Theta_p, its outer momentum m_p (fp32 CPU), version v_p and hash; replaced as a whole, never
+    modified in place, so readers in other threads always see a consistent state."""
 
     theta: list[torch.Tensor]
     momentum: list[torch.Tensor]
@@ -82,24 +93,33 @@ class FragmentState:
 
 @dataclass
 class SyncerStats:
+    """Round counters and traffic of one island (read by the progress record and the summary)."""
+
     rounds_ok: int = 0  # rounds that formed a group of 2+ and averaged
     rounds_failed: int = 0  # rounds that fell back to the island's own pseudo-gradient
-    rounds_skipped: int = 0  # slots missed (no snapshot in time, a round still in flight, lagging)
-    reloads: int = 0  # fragments downloaded from peers after joining
-    bytes_sent: int = 0
-    bytes_received: int = 0
-    clipped: int = 0
+    rounds_skipped: int = 0  # slots missed: no snapshot in time, behind the swarm, NaN/Inf
+    reloads: int = 0  # fragments downloaded from peers
+    bytes_sent: int = 0  # all-reduce payload and state served, bytes
+    bytes_received: int = 0  # all-reduce payload and state downloaded, bytes
+    clipped: int = 0  # pseudo-gradient elements clipped to +-max_delta
     group_sizes: list[int] = field(default_factory=list)
+
+
+SwarmBases = Callable[[], list[tuple[list[int], list[str]]]]
 
 
 class Syncer:
     """Outer rounds of one island, one background thread per fragment.
 
+    :param run_id: the run; with ``fingerprint`` it names the fragments' averaging groups
+    :param fingerprint: the run fingerprint (model, tokenizer, outer settings); donors must match it
+    :param island: this island's name, sent with every round
+    :param config: the outer-loop settings
     :param layout: fragment layout (parameter names per fragment)
     :param shapes: ``shapes[p]`` are the parameter shapes of fragment p, in layout order
     :param learner: gives snapshots and takes updates
     :param events: callable taking an event dict (the island's JSONL log)
-    :param swarm_versions: returns the fragment versions that other live islands report
+    :param swarm_bases: (fragment versions, fragment hashes) reported by the other live islands
     """
 
     def __init__(
@@ -113,19 +133,18 @@ class Syncer:
         shapes: Sequence[Sequence[torch.Size]],
         learner: LearnerLink,
         events: Callable[[dict], None],
-        swarm_versions: Callable[[], list[list[int]]],
+        swarm_bases: SwarmBases,
     ):
         self.run_id, self.fingerprint, self.island, self.config = run_id, fingerprint, island, config
         self.layout, self.shapes, self.learner = layout, [list(s) for s in shapes], learner
-        self.events, self.swarm_versions = events, swarm_versions
+        self.events, self.swarm_bases = events, swarm_bases
         self.clock = RoundClock(config.period, layout.num_fragments)
         self.offset = outer.wire_offset(config.max_delta)
         self.stats = SyncerStats()
         self.states: list[Optional[FragmentState]] = [None] * layout.num_fragments
         self.averagers: list = []
         self.buffers = [[torch.zeros(shape) for shape in fragment] for fragment in self.shapes]
-        self._locks = [threading.Lock() for _ in range(layout.num_fragments)]
-        self._idle = [threading.Event() for _ in range(layout.num_fragments)]
+        self._idle = [threading.Event() for _ in range(layout.num_fragments)]  # no round of p in flight
         for event in self._idle:
             event.set()
         self._stop = threading.Event()
@@ -165,15 +184,12 @@ class Syncer:
     def load_from_peers(self, *, timeout: float, stop: threading.Event) -> bool:
         """Download Theta_p, m_p and v_p of every fragment from live peers (with donor failover).
 
+        :param timeout: seconds for all fragments together
         :returns: True when every fragment was loaded; False leaves unloaded fragments as they were
         """
         deadline = time.monotonic() + timeout
         for p in range(self.layout.num_fragments):
-            state = None
-            while state is None and time.monotonic() < deadline and not stop.is_set():
-                state = self._download(p, min_version=0, timeout=min(30.0, max(1.0, deadline - time.monotonic())))
-                if state is None:
-                    stop.wait(1.0)
+            state = self._download_until(p, min_version=0, deadline=deadline, stop=stop)
             if state is None:
                 return False
             self._publish(p, state)
@@ -190,7 +206,7 @@ class Syncer:
             self._threads.append(thread)
 
     def stop(self, timeout: float = 10.0) -> None:
-        """Stop scheduling rounds and let rounds in flight end (bounded)."""
+        """Stop scheduling rounds; a round in flight is abandoned without an outer step (bounded wait)."""
         self._stop.set()
         deadline = time.monotonic() + timeout
         for thread in self._threads:
@@ -220,10 +236,12 @@ class Syncer:
 
     @property
     def versions(self) -> list[int]:
+        """v_p of every fragment (0 before initialisation)."""
         return [state.version if state else 0 for state in self.states]
 
     @property
     def hashes(self) -> list[str]:
+        """Hash of Theta_p of every fragment ("" before initialisation)."""
         return [state.hash if state else "" for state in self.states]
 
     def global_params(self, fragment: int) -> list[torch.Tensor]:
@@ -235,8 +253,7 @@ class Syncer:
     # ---------------------------------------------------------------- state sharing
 
     def _publish(self, p: int, state: FragmentState) -> None:
-        with self._locks[p]:
-            self.states[p] = state
+        self.states[p] = state
         if p < len(self.averagers):
             try:
                 # donors of the newest version and largest agreement are asked first
@@ -245,13 +262,16 @@ class Syncer:
                 logger.debug("could not update donor priority: %r", e)
 
     def _donate(self, p: int) -> tuple[dict, list[torch.Tensor]]:
-        """Called by hivemind in this process when a peer downloads fragment p."""
+        """Called by hivemind's fetch thread in this process when a peer downloads fragment p.
+
+        Returns copies: hivemind moves what it sends into shared memory, which must not happen to
+        tensors other threads are reading.
+        """
         self._idle[p].wait(timeout=min(2.0, self.config.allreduce_timeout))  # prefer the state after a round
-        with self._locks[p]:
-            state = self.states[p]
+        state = self.states[p]
         if state is None:
             raise RuntimeError("state not ready")
-        tensors = state.theta + state.momentum
+        tensors = [t.clone() for t in state.theta + state.momentum]
         with self._stats_lock:
             self.stats.bytes_sent += sum(t.numel() * t.element_size() for t in tensors)
         metadata = dict(
@@ -259,8 +279,9 @@ class Syncer:
         )
         return metadata, tensors
 
-    def _download(self, p: int, *, min_version: int, timeout: float) -> Optional[FragmentState]:
-        """Fragment p's state from the best donor, if it is valid and at least ``min_version``."""
+    def _download(self, p: int, *, min_version: int, want_hash: str = "", timeout: float) -> Optional[FragmentState]:
+        """Fragment p's state from the best donor if it is valid, at least ``min_version`` and, when
+        ``want_hash`` is given and the version is exactly ``min_version``, that exact Theta_p."""
         try:
             result = self.averagers[p].load_state_from_peers(wait=True, timeout=timeout)
         except Exception as e:
@@ -280,8 +301,8 @@ class Syncer:
             logger.warning("ignored a malformed state download for fragment %d", p)
             return None
         version = int(metadata.get("version", -1))
-        if version < min_version:
-            logger.debug("donor of fragment %d has version %d < %d", p, version, min_version)
+        if version < min_version or (want_hash and version == min_version and metadata.get("hash") != want_hash):
+            logger.debug("donor of fragment %d has version %d, not the one wanted (%d)", p, version, min_version)
             return None
         theta = [t.to(torch.float32).contiguous() for t in tensors[:n]]
         momentum = [t.to(torch.float32).contiguous() for t in tensors[n:]]
@@ -292,6 +313,22 @@ class Syncer:
             self.stats.bytes_received += sum(t.numel() * t.element_size() for t in tensors)
             self.stats.reloads += 1
         return FragmentState(theta, momentum, version, outer.tensors_hash(theta), int(metadata.get("support", 1)))
+
+    def _download_until(self, p: int, *, min_version: int, deadline: float, want_hash: str = "",
+                        stop: Optional[threading.Event] = None) -> Optional[FragmentState]:
+        """Retry :meth:`_download` (another donor may answer, or the first may finish its round) until
+        ``deadline`` (time.monotonic() seconds)."""
+        stop = stop or self._stop
+        while not stop.is_set():
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                return None
+            state = self._download(p, min_version=min_version, want_hash=want_hash,
+                                   timeout=min(30.0, max(1.0, remaining)))
+            if state is not None:
+                return state
+            stop.wait(min(0.5, max(0.0, deadline - time.monotonic())))
+        return None
 
     # ---------------------------------------------------------------- rounds
 
@@ -315,29 +352,38 @@ class Syncer:
                 logger.exception("round of fragment %d failed unexpectedly: %r", p, e)
                 self._idle[p].set()
 
-    def _lagging(self, p: int, version: int) -> bool:
-        others = [versions[p] for versions in self.swarm_versions() if len(versions) > p]
-        return bool(others) and max(others) > version + 1
+    def _swarm_base(self, p: int, state: FragmentState) -> tuple[int, str]:
+        """The (version, hash) of fragment p that the live islands, this one included, agree on."""
+        bases = [(state.version, state.hash)]
+        for versions, hashes in self.swarm_bases():
+            if len(versions) > p and len(hashes) > p and hashes[p]:
+                bases.append((versions[p], hashes[p]))
+        return outer.canonical_base(bases)
 
     def _run_round(self, p: int, slot: RoundSlot) -> None:
         cfg = self.config
         state = self.states[p]
         assert state is not None
-        started = time.time()
-        event = {"event": "round", "fragment": p, "slot": slot.index, "slot_time": slot.time, "t_start": started}
+        event = {"event": "round", "fragment": p, "slot": slot.index, "slot_time": slot.time, "t_start": time.time()}
 
-        if self._lagging(p, state.version):
-            # behind the swarm: reload instead of sending a stale pseudo-gradient
-            fresh = self._download(p, min_version=state.version + 1, timeout=cfg.allreduce_timeout)
+        target = self._swarm_base(p, state)
+        if target != (state.version, state.hash):
+            # behind the swarm (a missed round) or on a fork (a partial all-reduce, a lone fallback):
+            # reload instead of sending a pseudo-gradient computed from the wrong base
+            budget = slot.time + cfg.grace_window + cfg.allreduce_timeout - time.time()
+            fresh = self._download_until(p, min_version=target[0], want_hash=target[1],
+                                         deadline=time.monotonic() + max(1.0, budget))
             self._bump("rounds_skipped")
             if fresh is not None:
                 self._hand_over(p, fresh, base=state.theta, reason="reload")
                 self._publish(p, fresh)
-            self.events(event | {"outcome": "lagging", "reloaded": fresh is not None, "t_end": time.time(),
-                                 "base_version": state.version, "new_version": self.versions[p]})
+            self.events(event | {"outcome": "behind", "reloaded": fresh is not None, "t_end": time.time(),
+                                 "base_version": state.version, "target_version": target[0],
+                                 "new_version": self.versions[p], "new_hash": self.hashes[p]})
             return
 
-        snapshot = self.learner.request_snapshot(p, timeout=max(0.05, slot.time - time.time() - cfg.matchmaking_time / 4))
+        timeout = max(0.05, slot.time - time.time() - cfg.matchmaking_time / 4)
+        snapshot = self.learner.request_snapshot(p, timeout=timeout)
         if snapshot is None:
             self._bump("rounds_skipped")
             self.events(event | {"outcome": "no_snapshot", "t_end": time.time()})
@@ -353,80 +399,91 @@ class Syncer:
         cfg = self.config
         delta = outer.pseudo_gradient(state.theta, snapshot.params)
         if not outer.all_finite(delta):
-            logger.error("fragment %d: local pseudo-gradient has NaN/Inf; not contributing, reloading", p)
-            fresh = self._download(p, min_version=0, timeout=cfg.allreduce_timeout)
-            if fresh is not None:
-                self._hand_over(p, fresh, base=None, reason="reload")
-                self._publish(p, fresh)
-            self._bump("rounds_skipped")
-            self.events(event | {"outcome": "nonfinite", "t_end": time.time()})
+            self._recover_from_nonfinite(p, state, event)
             return
-
+        clipped = outer.clip_(delta, cfg.max_delta)
         weight = outer.token_weight(snapshot.tokens, snapshot.steps) / WEIGHT_UNIT
         averager = self.averagers[p]
         with averager.get_tensors() as wire:
-            clipped = outer.encode_for_wire(delta, wire, self.offset)
-        gather = dict(
-            island=self.island, version=state.version, hash=state.hash, weight=weight,
-            tokens=snapshot.tokens, steps=snapshot.steps,
-        )
+            outer.encode_for_wire(delta, wire, self.offset)
+        gather = dict(island=self.island, version=state.version, hash=state.hash, weight=weight,
+                      tokens=snapshot.tokens, steps=snapshot.steps)
         grace = cfg.grace_window if cfg.quorum > 1 else 0.0
         deadline = slot.time + max(grace, cfg.request_timeout)
         gathered = self._all_reduce(averager, gather, weight, slot.time, deadline)
+        event |= {"base_version": state.version, "base_hash": state.hash, "weight": weight,
+                  "tokens": snapshot.tokens, "steps": snapshot.steps, "clipped": clipped,
+                  "contributed": snapshot.steps > 0}
+        with self._stats_lock:
+            self.stats.clipped += clipped
+        if self._stop.is_set():  # shutting down: the round is abandoned, not failed
+            self.events(event | {"outcome": "cancelled", "t_end": time.time()})
+            return
 
         members = [m for m in (gathered or {}).values() if _valid_member(m)]
-        base = (state.version, state.hash)
-        event |= {"base_version": state.version, "base_hash": state.hash, "weight": weight,
-                  "tokens": snapshot.tokens, "steps": snapshot.steps, "clipped": clipped}
         if gathered is not None and len(members) >= 2:
             with averager.get_tensors() as wire:
                 merged = outer.decode_from_wire(wire, self.offset)
-            canonical = outer.canonical_base([(m["version"], m["hash"]) for m in members])
-            new_version = max(m["version"] for m in members) + 1
-            support = sum((m["version"], m["hash"]) == canonical for m in members)
-            total_weight = sum(m["weight"] for m in members)
-            fragment_bytes = sum(t.numel() * t.element_size() for t in delta)
-            traffic = int(2 * fragment_bytes * (len(members) - 1) / len(members))
-            with self._stats_lock:
-                self.stats.rounds_ok += 1
-                self.stats.group_sizes.append(len(members))
-                self.stats.bytes_sent += traffic
-                self.stats.bytes_received += traffic
-                self.stats.clipped += clipped
-            event |= {"outcome": "ok", "group_size": len(members), "members": sorted(m["island"] for m in members),
-                      "group_max_version": new_version - 1, "contributed": snapshot.steps > 0,
-                      "canonical": base == canonical}
-            if total_weight <= 0.0:
-                new_state = state  # nobody trained anything since the last round: nothing to apply
-                event["outcome"] = "empty"
-            elif base == canonical:
-                new_state = self._stepped(state, merged, new_version, support)
-            else:
-                # our base was older or a fork: take the result from a member that holds it
-                new_state = self._download(p, min_version=new_version, timeout=cfg.allreduce_timeout)
-                event["reloaded"] = new_state is not None
-                if new_state is None:  # keep training on our own fork; the next shared round heals it
-                    new_state = self._stepped(state, merged, new_version, 1)
+            new_state = self._apply_group_result(p, state, members, merged, delta, event)
         else:
-            own = [d.clamp(-cfg.max_delta, cfg.max_delta) for d in delta]
-            new_state = self._stepped(state, own, state.version + 1, 1)
+            new_state = self._stepped(state, delta, state.version + 1, 1)
             self._bump("rounds_failed")
-            event |= {"outcome": "fallback", "group_size": 1 if gathered is None else len(members),
-                      "contributed": snapshot.steps > 0}
+            event |= {"outcome": "fallback", "group_size": 1 if gathered is None else len(members)}
         if new_state is not state:
             self._hand_over(p, new_state, base=snapshot.params, reason=event["outcome"])
             self._publish(p, new_state)
         self.events(event | {"new_version": new_state.version, "new_hash": new_state.hash, "t_end": time.time()})
 
+    def _apply_group_result(self, p: int, state: FragmentState, members: list[dict], merged: list[torch.Tensor],
+                            delta: list[torch.Tensor], event: dict) -> FragmentState:
+        """The new state after a round of 2+ members: the outer step on the canonical base, or the
+        result downloaded from a member that holds it when our base was older or a fork."""
+        base = (state.version, state.hash)
+        canonical = outer.canonical_base([(m["version"], m["hash"]) for m in members])
+        new_version = max(m["version"] for m in members) + 1
+        support = sum((m["version"], m["hash"]) == canonical for m in members)
+        fragment_bytes = sum(t.numel() * t.element_size() for t in delta)
+        traffic = int(2 * fragment_bytes * (len(members) - 1) / len(members))  # butterfly all-reduce payload
+        with self._stats_lock:
+            self.stats.rounds_ok += 1
+            self.stats.group_sizes.append(len(members))
+            self.stats.bytes_sent += traffic
+            self.stats.bytes_received += traffic
+        event |= {"outcome": "ok", "group_size": len(members), "members": sorted(m["island"] for m in members),
+                  "group_max_version": new_version - 1, "canonical": base == canonical}
+        if sum(m["weight"] for m in members) <= 0.0:
+            event["outcome"] = "empty"  # nobody trained anything since the last round: nothing to apply
+            return state
+        if base == canonical:
+            return self._stepped(state, merged, new_version, support)
+        budget = self.config.allreduce_timeout + self.config.grace_window
+        fresh = self._download_until(p, min_version=new_version, deadline=time.monotonic() + budget)
+        event["reloaded"] = fresh is not None
+        # without a donor, keep training on our own fork: the next round's base check heals it
+        return fresh if fresh is not None else self._stepped(state, merged, new_version, 1)
+
+    def _recover_from_nonfinite(self, p: int, state: FragmentState, event: dict) -> None:
+        """The island's own parameters went NaN/Inf: never send them; replace them by the global ones
+        (from peers if they have newer, else our own Theta_p) and clear the inner optimizer's state."""
+        logger.error("fragment %d: local parameters have NaN/Inf; not contributing, resetting them", p)
+        fresh = self._download_until(p, min_version=state.version, deadline=time.monotonic() + 2.0)
+        self._hand_over(p, fresh or state, base=None, reason="reload", reset_optimizer=True)
+        if fresh is not None:
+            self._publish(p, fresh)
+        self._bump("rounds_skipped")
+        self.events(event | {"outcome": "nonfinite", "reloaded": fresh is not None, "t_end": time.time()})
+
     def _all_reduce(self, averager, gather: dict, weight: float, scheduled: float, deadline: float):
-        """One hivemind averaging round; returns {peer: gathered metadata} or None if it failed."""
-        control = None
+        """One hivemind averaging round; returns {peer: gathered metadata}, or None if it failed or
+        the syncer is stopping. A slot is one-shot (no retries: a retry would average buffers that the
+        failed attempt already changed)."""
         if not averager.is_alive():  # step() would wait forever for a dead process; the island's watchdog stops us
             return None
+        control = None
         try:
             control = averager.step(
                 gather=gather, weight=max(weight, LISTENER_WEIGHT), scheduled_time=scheduled,
-                timeout=max(0.5, deadline - time.time()), allow_retries=True, wait=False,
+                timeout=max(0.5, deadline - time.time()), allow_retries=False, wait=False,
             )
             budget = deadline - time.time() + self.config.allreduce_timeout + 1.0
             while budget > 0 and not self._stop.is_set():
@@ -449,11 +506,12 @@ class Syncer:
                          nesterov=self.config.nesterov)
         return FragmentState(theta, momentum, version, outer.tensors_hash(theta), support)
 
-    def _hand_over(self, p: int, state: FragmentState, *, base: Optional[list[torch.Tensor]], reason: str) -> None:
+    def _hand_over(self, p: int, state: FragmentState, *, base: Optional[list[torch.Tensor]], reason: str,
+                   reset_optimizer: bool = False) -> None:
         """Send the new Theta_p to the learner; ``base`` is what the learner's progress is measured from
         (None: replace the local parameters outright)."""
         if base is None:
-            update = OuterUpdate(p, "replace", state.theta, 0.0, state.version, reason)
+            update = OuterUpdate(p, "replace", state.theta, 0.0, state.version, reason, reset_optimizer)
         elif self.config.apply == "mix":
             update = OuterUpdate(p, "mix", state.theta, self.config.alpha, state.version, reason)
         else:

@@ -17,7 +17,7 @@ from typing import Any, Callable, Optional, Sequence
 
 import torch
 
-from p2p_diloco.errors import ConfigError, NetworkError
+from p2p_diloco.errors import ConfigError, Interrupted, NetworkError
 
 logger = logging.getLogger(__name__)
 
@@ -164,7 +164,9 @@ def start_dht(
             if not initial_peers:
                 raise NetworkError(f"could not start the DHT: {reason}") from None
             remaining = deadline - time.monotonic()
-            if remaining <= 0 or (stop_event is not None and stop_event.is_set()):
+            if stop_event is not None and stop_event.is_set():
+                raise Interrupted("interrupted while connecting to the initial peers") from None
+            if remaining <= 0:
                 raise NetworkError(
                     f"could not reach any initial peer ({' '.join(initial_peers)}) after {attempt} attempts "
                     f"in {join_timeout:.0f} s: check the address and that the bootstrap node is running"
@@ -172,7 +174,7 @@ def start_dht(
             wait = min(delay, remaining)
             logger.warning("initial peers unreachable (%s); retrying in %.0f s", reason, wait)
             if stop_event is not None and stop_event.wait(wait):
-                raise NetworkError("interrupted while connecting to the initial peers") from None
+                raise Interrupted("interrupted while connecting to the initial peers") from None
             if stop_event is None:
                 time.sleep(wait)
             delay = min(delay * 2, 16.0)

@@ -23,6 +23,7 @@ from rich.console import Console
 from rich.table import Table
 
 from p2p_diloco import transport
+from p2p_diloco.errors import UserError
 from p2p_diloco.localswarm import LOOPBACK, LocalSwarm
 from p2p_diloco.plots import plot_loss_vs_tokens
 from p2p_diloco.procs import install_child_hooks
@@ -33,6 +34,7 @@ STARTUP_ALLOWANCE = 120.0  # seconds for islands to import, build the model and 
 
 
 def parse_args(argv=None) -> argparse.Namespace:
+    """The demo's command line (``--help`` lists it)."""
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--islands", type=int, default=3, help="number of islands (default: 3)")
     parser.add_argument("--minutes", type=float, default=3.0, help="training minutes per island (default: 3)")
@@ -53,6 +55,7 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 
 def island_args(args: argparse.Namespace, index: int) -> list[str]:
+    """Flags of island ``index``: its own shard, round timings scaled to the outer period."""
     budget = args.period / args.fragments  # seconds between two rounds on the swarm
     matchmaking = min(2.0, 0.35 * budget)
     return [
@@ -67,6 +70,7 @@ def island_args(args: argparse.Namespace, index: int) -> list[str]:
 
 
 def summary_table(summaries: dict[str, dict | None]) -> Table:
+    """The per-island summary printed at the end."""
     table = Table(title="per-island summary", title_justify="left")
     for column in ("island", "steps", "tokens", "eval loss first -> last", "rounds ok/failed", "group sizes",
                    "utilization", "MB sent"):
@@ -77,7 +81,7 @@ def summary_table(summaries: dict[str, dict | None]) -> Table:
             continue
         table.add_row(
             name, str(s["inner_steps"]), f"{s['tokens'] / 1e6:.2f}M",
-            f"{s['eval_loss_first']:.3f} -> {s['eval_loss_last']:.3f}",
+            f"{_fmt(s['eval_loss_first'])} -> {_fmt(s['eval_loss_last'])}",
             f"{s['outer_rounds_ok']}/{s['outer_rounds_failed']}",
             " ".join(f"{k}:{v}" for k, v in s["group_sizes"].items()) or "-",
             f"{s['compute_utilization']:.3f}", f"{s['bytes_sent'] / 1e6:.1f}",
@@ -85,7 +89,12 @@ def summary_table(summaries: dict[str, dict | None]) -> Table:
     return table
 
 
+def _fmt(value) -> str:
+    return "-" if value is None else f"{value:.3f}"
+
+
 def main(argv=None) -> int:
+    """Run the demo; returns the exit code (0: every island finished cleanly, 130: interrupted)."""
     args = parse_args(argv)
     console = Console(stderr=True)
     if not console.is_terminal:
@@ -114,14 +123,22 @@ def main(argv=None) -> int:
     observer = None
     history = (out / "status_history.jsonl").open("w", encoding="utf-8")
     try:
-        peers = swarm.start_bootstrap()
+        try:
+            peers = swarm.start_bootstrap()
+        except RuntimeError as e:
+            console.print(f"[red]error: {e}[/red]")
+            return 1
         console.print(f"bootstrap node up: INITIAL_PEERS={' '.join(peers)}")
         for index in range(args.islands):
             swarm.start_island(f"island-{index}", *island_args(args, index))
         console.print(f"started {args.islands} islands; outputs and logs in {out}/")
         validators, public_key = make_validators(args.run_id)
-        observer = transport.start_dht(initial_peers=peers, host_maddrs=[LOOPBACK], client_mode=True,
-                                       record_validators=validators, join_timeout=30)
+        try:
+            observer = transport.start_dht(initial_peers=peers, host_maddrs=[LOOPBACK], client_mode=True,
+                                           record_validators=validators, join_timeout=30)
+        except UserError as e:
+            console.print(f"[red]error: the observer could not join the swarm: {e}[/red]")
+            return 1
         signal.signal(signal.SIGINT, on_signal)  # hivemind may have reset it
         board = ProgressBoard(observer, args.run_id, public_key)
         deadline = time.monotonic() + args.minutes * 60 + STARTUP_ALLOWANCE

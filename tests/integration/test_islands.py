@@ -5,11 +5,10 @@ from __future__ import annotations
 import os
 import signal
 import stat
-import time
 
 import pytest
 
-from p2p_diloco.localswarm import LocalSwarm, descendants, pid_alive, read_line
+from p2p_diloco.localswarm import LocalSwarm, descendants, pid_alive
 from tests.integration.helpers import FAST, events_of, rounds_by_slot, wait_for
 
 pytestmark = pytest.mark.integration
@@ -18,7 +17,7 @@ pytestmark = pytest.mark.integration
 def test_lone_island_trains_and_its_loss_falls(tmp_path):
     swarm = LocalSwarm(tmp_path, run_id="lone")
     try:
-        island = swarm.start_island("solo", *FAST, "--max-minutes", "0.6", initial_peers=[])
+        swarm.start_island("solo", *FAST, "--max-minutes", "0.6", initial_peers=[])
         assert swarm.wait_islands(180) == {"solo": 0}
     finally:
         swarm.close()
@@ -69,3 +68,22 @@ def test_bootstrap_identity_first_line_and_clean_shutdown(tmp_path):
         assert again[0].rsplit("/p2p/", 1)[1] == peer_id
     finally:
         swarm.close()
+
+
+def test_an_island_whose_helper_process_dies_stops_with_an_error(tmp_path):
+    swarm = LocalSwarm(tmp_path, run_id="helper")
+    try:
+        island = swarm.start_island("solo", *FAST, initial_peers=[])
+        wait_for(lambda: events_of(swarm.events_path("solo"), "step"), timeout=120, message="training")
+        children = sorted(pid for pid in descendants(island.pid) if _parent(pid) == island.pid)
+        os.kill(children[0], signal.SIGKILL)  # the DHT process, forked first
+        assert island.popen.wait(60) == 1
+    finally:
+        swarm.close()
+    assert "died" in island.log_path.read_text()
+    assert swarm.summary("solo")["stop_reason"] == "helper_died"
+
+
+def _parent(pid: int) -> int:
+    with open(f"/proc/{pid}/stat") as f:
+        return int(f.read().rsplit(")", 1)[1].split()[1])

@@ -72,7 +72,8 @@ def test_members_of_a_shared_round_hold_identical_theta(swarm):
 
 
 def test_late_joiner_loads_state_and_first_contributes_at_the_current_version(swarm):
-    joiner = swarm.start_island("late", *FAST, "--data-shard-index", "3")
+    # a long record lifetime: the record must vanish at the clean exit, not by expiring
+    joiner = swarm.start_island("late", *FAST, "--data-shard-index", "3", "--progress-ttl", "120")
     path = swarm.events_path("late")
 
     def first_contribution():
@@ -88,6 +89,9 @@ def test_late_joiner_loads_state_and_first_contributes_at_the_current_version(sw
     assert joiner.popen.returncode == 0
     summary = swarm.summary("late")
     assert summary["state_downloads"] >= 2 and summary["outer_rounds_ok"] >= 1
+    rounds = events_of(path, "round")
+    assert summary["outer_rounds_failed"] == sum(e["outcome"] == "fallback" for e in rounds)  # a stop is no failure
+    assert "late" not in {i["island"] for i in status_json(swarm.initial_peers, swarm.run_id)["islands"]}
 
 
 def test_sigkill_of_one_island_does_not_pause_the_others(swarm):

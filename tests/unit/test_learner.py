@@ -44,7 +44,7 @@ def test_snapshot_copies_the_fragment_and_resets_its_counters():
     assert snap.fragment == 1 and snap.steps == 3 and snap.tokens == 3 * 2 * 8
     for copy, param in zip(snap.params, learner.fragment_params[1]):
         assert torch.equal(copy, param) and copy.data_ptr() != param.data_ptr()
-    assert learner.steps_since == [3, 0] and learner.tokens_since[1] == 0
+    assert learner.marks == [(0, 0), (3 * 2 * 8, 3)]  # fragment 0 was not copied: its counters run on
 
 
 def test_late_or_closed_requests_return_none_and_keep_counters():
@@ -52,7 +52,7 @@ def test_late_or_closed_requests_return_none_and_keep_counters():
     learner.train_step()
     assert learner.request_snapshot(0, timeout=0.05) is None  # nobody served it in time
     learner.service()  # the cancelled request is skipped
-    assert learner.steps_since == [1, 1]
+    assert learner.marks == [(0, 0), (0, 0)]
     learner.close()
     assert learner.request_snapshot(0, timeout=1.0) is None
 

@@ -1,0 +1,226 @@
+"""The syncer's round logic with a fake all-reduce that computes what hivemind's does (no network)."""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+import time
+
+import torch
+
+from p2p_diloco import outer
+from p2p_diloco.config import OuterConfig
+from p2p_diloco.fragments import FragmentLayout
+from p2p_diloco.schedule import RoundSlot
+from p2p_diloco.syncer import WEIGHT_UNIT, Snapshot, Syncer
+
+SHAPES = [[torch.Size([3, 2]), torch.Size([4])]]
+LAYOUT = FragmentLayout(fragments=(("w", "b"),), sizes=(10,))
+CONFIG = OuterConfig(period=10.0, fragments=1, matchmaking_time=1.0, grace_window=0.2, allreduce_timeout=1.0,
+                     request_timeout=0.2)
+
+
+class FakeControl:
+    def __init__(self, group):
+        self.group = group
+
+    def result(self, timeout=None):
+        self.group.done.wait(timeout)
+        if not self.group.done.is_set():
+            from concurrent.futures import TimeoutError
+
+            raise TimeoutError()
+        if self.group.fail:
+            raise RuntimeError("could not find a group")
+        return self.group.gathered
+
+    def done(self):
+        return self.group.done.is_set()
+
+    def cancel(self):
+        return True
+
+
+class FakeGroup:
+    """All members call step(); once ``size`` arrived, each gets y_i + (avg - y_i) like hivemind."""
+
+    def __init__(self, size: int, fail: bool = False):
+        self.size, self.fail = size, fail
+        self.arrived: list = []
+        self.gathered: dict = {}
+        self.done = threading.Event()
+        self.lock = threading.Lock()
+
+    def step(self, averager, gather, weight):
+        with self.lock:
+            self.arrived.append((averager, gather, weight))
+            if len(self.arrived) == self.size:
+                self._reduce()
+        return FakeControl(self)
+
+    def _reduce(self):
+        if not self.fail:
+            weights = [w for _, _, w in self.arrived]
+            for index in range(len(self.arrived[0][0].buffers)):
+                acc = torch.zeros_like(self.arrived[0][0].buffers[index])
+                for averager, _, w in self.arrived:
+                    acc.add_(averager.buffers[index], alpha=w)
+                avg = acc.div_(sum(weights))
+                for averager, _, _ in self.arrived:
+                    buffer = averager.buffers[index]
+                    buffer.add_(avg - buffer)
+            self.gathered = {f"peer{i}": gather for i, (_, gather, _) in enumerate(self.arrived)}
+        self.done.set()
+
+
+class FakeAverager:
+    def __init__(self, syncer: Syncer, group: FakeGroup, donor: Syncer | None = None):
+        self.syncer, self.group, self.donor = syncer, group, donor
+        self.buffers = syncer.buffers[0]
+        self.state_sharing_priority = 0.0
+        self.allow_state_sharing = False
+
+    def is_alive(self):
+        return True
+
+    @contextlib.contextmanager
+    def get_tensors(self):
+        yield self.buffers
+
+    def step(self, *, gather, weight, **_):
+        return self.group.step(self, gather, weight)
+
+    def load_state_from_peers(self, wait=True, timeout=None):
+        return None if self.donor is None else self.donor._donate(0)
+
+
+class FakeLearner:
+    def __init__(self, params):
+        self.params, self.updates, self.step_time = params, [], 0.0
+
+    def request_snapshot(self, fragment, timeout):
+        return Snapshot(fragment, [p.clone() for p in self.params], tokens=4096, steps=2)
+
+    def deliver(self, update):
+        self.updates.append(update)
+
+
+def _syncer(name, theta, local, bases=lambda: []):
+    learner = FakeLearner(local)
+    events: list[dict] = []
+    syncer = Syncer(run_id="r", fingerprint="f" * 16, island=name, config=CONFIG, layout=LAYOUT, shapes=SHAPES,
+                    learner=learner, events=events.append, swarm_bases=bases)
+    syncer.initialize([theta])
+    return syncer, learner, events
+
+
+def _params(seed, scale=1.0):
+    generator = torch.Generator().manual_seed(seed)
+    return [torch.randn(shape, generator=generator) * scale for shape in SHAPES[0]]
+
+
+def _round(*syncers):
+    slot = RoundSlot(time.time() + 0.1, 0, 7)
+    threads = [threading.Thread(target=s._run_round, args=(0, slot)) for s in syncers]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(10)
+
+
+def test_members_with_the_same_base_end_identical_at_the_nesterov_step_of_the_mean():
+    theta = _params(0)
+    local_a, local_b = [t - 0.01 * g for t, g in zip(theta, _params(1))], [t - 0.02 * g for t, g in zip(theta, _params(2))]
+    a, _, events_a = _syncer("a", theta, local_a)
+    b, _, events_b = _syncer("b", theta, local_b)
+    group = FakeGroup(2)
+    a.averagers, b.averagers = [FakeAverager(a, group)], [FakeAverager(b, group)]
+    _round(a, b)
+    assert events_a[-1]["outcome"] == events_b[-1]["outcome"] == "ok"
+    assert a.states[0].hash == b.states[0].hash and a.versions == b.versions == [1]
+    merged = outer.weighted_mean([outer.pseudo_gradient(theta, local_a), outer.pseudo_gradient(theta, local_b)],
+                                 [1.0, 1.0])  # equal tokens and steps: equal weights
+    expected = [t.clone() for t in theta]
+    outer.outer_step(expected, merged, [torch.zeros_like(t) for t in theta], lr=0.7, momentum=0.9, nesterov=True)
+    for got, want in zip(a.states[0].theta, expected):
+        torch.testing.assert_close(got, want, rtol=0, atol=1e-5)
+    assert events_a[-1]["weight"] == outer.token_weight(4096, 2) / WEIGHT_UNIT
+    assert a.stats.rounds_ok == 1 and a.stats.bytes_sent > 0
+
+
+def test_a_member_on_a_fork_reloads_the_result_instead_of_keeping_it():
+    theta = _params(0)
+    fork = [t + 1e-3 for t in theta]
+    a, _, events_a = _syncer("a", theta, [t - 0.01 for t in theta])
+    b, learner_b, events_b = _syncer("b", fork, [t - 0.01 for t in fork])
+    group = FakeGroup(2)
+    a.averagers, b.averagers = [FakeAverager(a, group, donor=b)], [FakeAverager(b, group, donor=a)]
+    _round(a, b)
+    winner, loser = (a, b) if events_a[-1]["canonical"] else (b, a)
+    loser_events = events_b if loser is b else events_a
+    assert loser_events[-1]["canonical"] is False and loser_events[-1]["reloaded"] is True
+    assert loser.states[0].hash == winner.states[0].hash and loser.versions == winner.versions == [1]
+
+
+def test_a_failed_round_falls_back_to_the_islands_own_pseudo_gradient():
+    theta = _params(0)
+    local = [t - 0.05 for t in theta]
+    a, learner, events = _syncer("a", theta, local)
+    a.averagers = [FakeAverager(a, FakeGroup(1, fail=True))]
+    _round(a)
+    assert events[-1]["outcome"] == "fallback" and a.stats.rounds_failed == 1 and a.versions == [1]
+    expected = [t.clone() for t in theta]
+    outer.outer_step(expected, outer.pseudo_gradient(theta, local), [torch.zeros_like(t) for t in theta],
+                     lr=0.7, momentum=0.9, nesterov=True)
+    for got, want in zip(a.states[0].theta, expected):
+        torch.testing.assert_close(got, want)
+    (update,) = learner.updates
+    assert update.mode == "carry" and update.version == 1
+
+
+def test_an_island_behind_the_swarm_reloads_before_contributing():
+    theta = _params(0)
+    donor, _, _ = _syncer("d", theta, theta)
+    donor._publish(0, donor._stepped(donor.states[0], _params(5, 0.01), version=3, support=2))
+    lagging, learner, events = _syncer("l", theta, theta,
+                                       bases=lambda: [([3], [donor.states[0].hash]), ([3], [donor.states[0].hash])])
+    group = FakeGroup(2)
+    lagging.averagers = [FakeAverager(lagging, group, donor=donor)]
+    _round(lagging)
+    assert events[-1]["outcome"] == "behind" and events[-1]["reloaded"]
+    assert lagging.states[0].hash == donor.states[0].hash and lagging.versions == [3]
+    assert not group.arrived  # it did not send a stale pseudo-gradient
+    assert learner.updates[-1].mode == "carry"  # local progress since the old base is kept
+
+
+def test_stopping_mid_round_is_not_a_failed_round():
+    theta = _params(0)
+    a, _, events = _syncer("a", theta, [t - 0.01 for t in theta])
+    a.averagers = [FakeAverager(a, FakeGroup(2))]  # the second member never comes
+    timer = threading.Timer(0.3, a._stop.set)
+    timer.start()
+    _round(a)
+    assert events[-1]["outcome"] == "cancelled"
+    assert a.stats.rounds_failed == 0 and a.versions == [0]
+
+
+def test_nonfinite_local_parameters_are_never_sent_and_get_replaced():
+    theta = _params(0)
+    broken = [t.clone() for t in theta]
+    broken[0][0, 0] = float("nan")
+    a, learner, events = _syncer("a", theta, broken)
+    group = FakeGroup(2)
+    a.averagers = [FakeAverager(a, group)]
+    _round(a)
+    assert events[-1]["outcome"] == "nonfinite" and not group.arrived
+    (update,) = learner.updates
+    assert update.mode == "replace" and update.reset_optimizer
+    assert all(torch.equal(x, y) for x, y in zip(update.tensors, theta))
+
+
+def test_donated_state_is_a_copy():
+    theta = _params(0)
+    a, _, _ = _syncer("a", theta, theta)
+    metadata, tensors = a._donate(0)
+    assert metadata["version"] == 0 and metadata["hash"] == a.states[0].hash
+    assert all(t.data_ptr() != s.data_ptr() for t, s in zip(tensors, a.states[0].theta + a.states[0].momentum))
