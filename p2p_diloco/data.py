@@ -259,6 +259,7 @@ class BatchSampler:
         self._offsets = torch.arange(seq_len + 1)
 
     def next_batch(self) -> torch.Tensor:
+        """A (B, T+1) int64 tensor of B random windows of the shard."""
         starts = self.rng.integers(0, len(self.tokens) - self.seq_len - 1, size=self.batch_size)
         index = torch.from_numpy(starts).unsqueeze(1) + self._offsets  # (B, T+1)
         return self.tokens[index]

@@ -20,14 +20,8 @@ class FragmentLayout:
 
     @property
     def num_fragments(self) -> int:
+        """P, the number of fragments."""
         return len(self.fragments)
-
-    def fragment_of(self, name: str) -> int:
-        """Index of the fragment holding parameter ``name``; raises KeyError if none does."""
-        for index, names in enumerate(self.fragments):
-            if name in names:
-                return index
-        raise KeyError(name)
 
 
 def balanced_layout(named_sizes: Sequence[tuple[str, int]], num_fragments: int) -> FragmentLayout:

@@ -45,7 +45,3 @@ class RoundClock:
         while index > 0 and self.slot_time(fragment, index - 1) > after:
             index -= 1
         return RoundSlot(self.slot_time(fragment, index), fragment, index)
-
-    def next_slots(self, after: float) -> list[RoundSlot]:
-        """The next slot of every fragment after ``after``, earliest first."""
-        return sorted((self.next_slot(p, after) for p in range(self.num_fragments)), key=lambda s: s.time)

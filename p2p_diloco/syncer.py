@@ -337,20 +337,29 @@ class Syncer:
         budget = self.clock.period / self.clock.num_fragments
         while not self._stop.is_set():
             slot = self.clock.next_slot(p, time.time() + lead + min(1.0, budget / 4))
-            # wake early enough for the learner to reach a step boundary before matchmaking starts
-            while not self._stop.is_set():
-                prepare = lead + min(2.0 * self.learner.step_time, budget / 4)
-                remaining = slot.time - prepare - time.time()
-                if remaining <= 0:
-                    break
-                self._stop.wait(min(remaining, 1.0))
-            if self._stop.is_set():
-                return
             try:
-                self._run_round(p, slot)
+                # halfway between two rounds of p: repair the base if the swarm moved on without us,
+                # so that the next round starts from the swarm's Theta_p and we can take part in it
+                if self._sleep_until(slot.time - self.clock.period / 2):
+                    self._repair_base(p, deadline=slot.time - lead - budget / 4, why="repair")
+                # wake early enough for the learner to reach a step boundary before matchmaking starts
+                while not self._stop.is_set():
+                    prepare = lead + min(2.0 * self.learner.step_time, budget / 4)
+                    if not self._sleep_until(slot.time - prepare, at_most=1.0):
+                        break
+                if not self._stop.is_set():
+                    self._run_round(p, slot)
             except Exception as e:  # a bug must not kill the island's outer loop
                 logger.exception("round of fragment %d failed unexpectedly: %r", p, e)
                 self._idle[p].set()
+
+    def _sleep_until(self, moment: float, at_most: float = float("inf")) -> bool:
+        """Wait until wall-clock ``moment`` (or ``at_most`` seconds); False if it has passed already
+        or the syncer stops."""
+        remaining = moment - time.time()
+        if remaining <= 0:
+            return False
+        return not self._stop.wait(min(remaining, at_most))
 
     def _swarm_base(self, p: int, state: FragmentState) -> tuple[int, str]:
         """The (version, hash) of fragment p that the live islands, this one included, agree on."""
@@ -360,35 +369,41 @@ class Syncer:
                 bases.append((versions[p], hashes[p]))
         return outer.canonical_base(bases)
 
+    def _repair_base(self, p: int, *, deadline: float, why: str) -> bool:
+        """If the swarm's Theta_p (newer version, or the majority of a fork) differs from ours,
+        download it before ``deadline`` (wall clock) and hand it to the learner, keeping the local
+        progress made since our own Theta_p. Returns True when our base matches the swarm's."""
+        state = self.states[p]
+        target = self._swarm_base(p, state)
+        if target == (state.version, state.hash):
+            return True
+        started = time.time()
+        fresh = self._download_until(p, min_version=target[0], want_hash=target[1],
+                                     deadline=time.monotonic() + max(0.5, deadline - started))
+        if fresh is not None:
+            self._hand_over(p, fresh, base=state.theta, reason="reload")
+            self._publish(p, fresh)
+        self.events({"event": "reload", "why": why, "fragment": p, "t_start": started, "t_end": time.time(),
+                     "base_version": state.version, "target_version": target[0], "reloaded": fresh is not None,
+                     "new_version": self.versions[p], "new_hash": self.hashes[p]})
+        return fresh is not None
+
     def _run_round(self, p: int, slot: RoundSlot) -> None:
         cfg = self.config
-        state = self.states[p]
-        assert state is not None
         event = {"event": "round", "fragment": p, "slot": slot.index, "slot_time": slot.time, "t_start": time.time()}
-
-        target = self._swarm_base(p, state)
-        if target != (state.version, state.hash):
-            # behind the swarm (a missed round) or on a fork (a partial all-reduce, a lone fallback):
-            # reload instead of sending a pseudo-gradient computed from the wrong base
-            budget = slot.time + cfg.grace_window + cfg.allreduce_timeout - time.time()
-            fresh = self._download_until(p, min_version=target[0], want_hash=target[1],
-                                         deadline=time.monotonic() + max(1.0, budget))
+        # behind the swarm (a missed round) or on a fork (a partial all-reduce, a lone fallback):
+        # reload rather than send a pseudo-gradient computed from the wrong base
+        if not self._repair_base(p, deadline=slot.time - cfg.matchmaking_time / 2, why="behind"):
             self._bump("rounds_skipped")
-            if fresh is not None:
-                self._hand_over(p, fresh, base=state.theta, reason="reload")
-                self._publish(p, fresh)
-            self.events(event | {"outcome": "behind", "reloaded": fresh is not None, "t_end": time.time(),
-                                 "base_version": state.version, "target_version": target[0],
-                                 "new_version": self.versions[p], "new_hash": self.hashes[p]})
+            self.events(event | {"outcome": "behind", "t_end": time.time()})
             return
-
+        state = self.states[p]
         timeout = max(0.05, slot.time - time.time() - cfg.matchmaking_time / 4)
         snapshot = self.learner.request_snapshot(p, timeout=timeout)
         if snapshot is None:
             self._bump("rounds_skipped")
             self.events(event | {"outcome": "no_snapshot", "t_end": time.time()})
             return
-
         self._idle[p].clear()
         try:
             self._average_and_apply(p, slot, state, snapshot, event)
@@ -485,7 +500,9 @@ class Syncer:
                 gather=gather, weight=max(weight, LISTENER_WEIGHT), scheduled_time=scheduled,
                 timeout=max(0.5, deadline - time.time()), allow_retries=False, wait=False,
             )
-            budget = deadline - time.time() + self.config.allreduce_timeout + 1.0
+            # hivemind bounds the all-reduce by allreduce_timeout once the group formed; on a loaded
+            # machine its event loop may report late, so allow as much again before giving up
+            budget = deadline - time.time() + 2.0 * self.config.allreduce_timeout + 1.0
             while budget > 0 and not self._stop.is_set():
                 try:
                     return control.result(timeout=min(0.5, budget))

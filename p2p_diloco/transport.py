@@ -33,7 +33,9 @@ def quiet_hivemind(verbose: bool) -> None:
     use_hivemind_log_handler("in_root_logger")
     level = logging.INFO if verbose else logging.WARNING
     logging.getLogger("hivemind").setLevel(level)
-    for noisy in ("hivemind.averaging", "hivemind.p2p", "hivemind.dht", "hivemind.utils"):
+    # "asyncio" only carries hivemind's internal task errors here (e.g. a round result arriving after we
+    # gave up on it); the island reports round outcomes itself
+    for noisy in ("hivemind.averaging", "hivemind.p2p", "hivemind.dht", "hivemind.utils", "asyncio"):
         logging.getLogger(noisy).setLevel(level if verbose else logging.CRITICAL)
 
 
@@ -228,11 +230,20 @@ def make_fragment_averager(
     allreduce_timeout: float,
     state_provider: Callable[[], tuple[dict, list[torch.Tensor]]],
 ):
-    """Start one fragment's averager process.
+    """Start one fragment's averager process (hivemind ``DecentralizedAverager``).
+
+    Rounds send fp32 without compression: the exact-average encoding of
+    :func:`p2p_diloco.outer.encode_for_wire` relies on it.
 
     :param tensors: fp32 CPU buffers, one per parameter of the fragment; rounds average them in place
     :param prefix: group-key prefix, unique per (run, fingerprint, fragment); no dots
-    :param quorum: K, hivemind's ``min_group_size``: a round waits for this many members
+    :param quorum: K, hivemind's ``min_group_size`` (at least 2: a lone island falls back without
+        hivemind); a round waits for this many members until its deadline
+    :param matchmaking_time: hivemind's ``min_matchmaking_time``, seconds
+    :param request_timeout: seconds to wait for a matchmaking answer
+    :param allreduce_timeout: seconds an all-reduce may take once the group formed
+    :param state_provider: returns (metadata, tensors) served to peers that download the fragment
+    :returns: the started averager; end it with ``terminate()`` after the DHT is shut down
     """
     FragmentAverager = _fragment_averager_class()
     chunk_timeout = max(1.0, allreduce_timeout / 2)

@@ -182,15 +182,27 @@ def test_an_island_behind_the_swarm_reloads_before_contributing():
     theta = _params(0)
     donor, _, _ = _syncer("d", theta, theta)
     donor._publish(0, donor._stepped(donor.states[0], _params(5, 0.01), version=3, support=2))
-    lagging, learner, events = _syncer("l", theta, theta,
-                                       bases=lambda: [([3], [donor.states[0].hash]), ([3], [donor.states[0].hash])])
-    group = FakeGroup(2)
+    swarm = [([3], [donor.states[0].hash]), ([3], [donor.states[0].hash])]
+    lagging, learner, events = _syncer("l", theta, theta, bases=lambda: swarm)
+    group = FakeGroup(1, fail=True)
     lagging.averagers = [FakeAverager(lagging, group, donor=donor)]
     _round(lagging)
-    assert events[-1]["outcome"] == "behind" and events[-1]["reloaded"]
-    assert lagging.states[0].hash == donor.states[0].hash and lagging.versions == [3]
-    assert not group.arrived  # it did not send a stale pseudo-gradient
-    assert learner.updates[-1].mode == "carry"  # local progress since the old base is kept
+    reload, round_ = events[-2], events[-1]
+    assert reload["event"] == "reload" and reload["why"] == "behind" and reload["reloaded"]
+    assert learner.updates[0].mode == "carry" and learner.updates[0].version == 3  # local progress is kept
+    # it then takes part in the same slot from the swarm's base, not with a stale pseudo-gradient
+    (_, gather, _), = group.arrived
+    assert gather["version"] == 3 and gather["hash"] == donor.states[0].hash
+    assert round_["base_version"] == 3 and lagging.stats.reloads == 1
+
+
+def test_an_island_that_cannot_reload_skips_the_round():
+    theta = _params(0)
+    lagging, _, events = _syncer("l", theta, theta, bases=lambda: [([3], ["x" * 16]), ([3], ["x" * 16])])
+    group = FakeGroup(2)
+    lagging.averagers = [FakeAverager(lagging, group, donor=None)]
+    _round(lagging)
+    assert events[-1]["outcome"] == "behind" and not group.arrived and lagging.stats.rounds_skipped == 1
 
 
 def test_stopping_mid_round_is_not_a_failed_round():
