@@ -87,3 +87,22 @@ def test_an_island_whose_helper_process_dies_stops_with_an_error(tmp_path):
 def _parent(pid: int) -> int:
     with open(f"/proc/{pid}/stat") as f:
         return int(f.read().rsplit(")", 1)[1].split()[1])
+
+
+def test_rounds_wait_for_the_quorum_until_the_grace_window_ends(tmp_path):
+    swarm = LocalSwarm(tmp_path, run_id="quorum")
+    try:
+        swarm.start_bootstrap()
+        for index, name in enumerate(["q0", "q1"]):
+            swarm.start_island(name, *FAST, "--max-minutes", "0.4", "--data-shard-index", str(index),
+                               "--outer-quorum", "3", "--outer-grace-window", "0.9")
+        assert swarm.wait_islands(180) == {"q0": 0, "q1": 0}
+    finally:
+        swarm.close()
+    for name in ("q0", "q1"):
+        rounds = [e for e in events_of(swarm.events_path(name), "round") if e["outcome"] in ("ok", "fallback")]
+        assert len(rounds) >= 3
+        # two islands never make a quorum of three: every round waits out its grace window, then
+        # falls back to the island's own pseudo-gradient
+        assert all(e["outcome"] == "fallback" for e in rounds)
+        assert all(e["t_end"] - e["slot_time"] >= 0.9 for e in rounds)
