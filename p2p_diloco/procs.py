@@ -35,9 +35,10 @@ def _after_fork_in_child() -> None:
         os.setpgid(0, 0)
     except Exception:  # not Linux, or no prctl: children then rely on hivemind's own shutdown
         pass
-    try:  # the parent's StopSignal handler means nothing here: hivemind's terminate() must end us
+    try:  # the parent's StopSignal handler means nothing here: terminate() must end us, and Ctrl+C
+        # is the parent's to handle (hivemind ignores SIGINT in its processes too)
         signal.signal(signal.SIGTERM, signal.SIG_DFL)
-        signal.signal(signal.SIGINT, signal.SIG_DFL)
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
     except ValueError:  # forked from a non-main thread
         pass
     if _forking_pid is not None and os.getppid() != _forking_pid:
@@ -64,8 +65,9 @@ class StopSignal:
     """
 
     def __init__(self) -> None:
-        self.event = threading.Event()
+        self.event = threading.Event()  # also set by other reasons to stop (a dead helper process)
         self.received: str | None = None
+        self.signals = 0
 
     def install(self) -> "StopSignal":
         """Install the handlers (main thread only); returns self."""
@@ -75,7 +77,8 @@ class StopSignal:
 
     def _handle(self, signum, _frame) -> None:
         name = signal.Signals(signum).name
-        if self.event.is_set():
+        self.signals += 1
+        if self.signals > 1:
             logger.warning("second %s: exiting now", name)
             os._exit(130)
         self.received = name
