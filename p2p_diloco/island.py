@@ -217,8 +217,10 @@ class Island:
                 layout=self.layout, shapes=self.shapes, learner=self.learner, events=self.events,
                 swarm_bases=lambda: self.reporter.swarm_bases(),
             )
-            self.syncer.create_averagers(self.dht)  # processes forked from the main thread
-            self.stop.install()  # hivemind's averager turned SIGINT off in this process
+            try:
+                self.syncer.create_averagers(self.dht)  # processes forked from the main thread
+            finally:
+                self.stop.install()  # hivemind's averager turned SIGINT off in this process
             self.status_line = StatusLine()
             self.reporter = Reporter(board, self._record, period=config.progress_period, ttl=config.progress_ttl,
                                      fingerprint=self.fingerprint, island=config.island, show=self._show,
@@ -260,7 +262,7 @@ class Island:
                 logger.info("joined at fragment versions %s", syncer.versions)
                 return
             if self.stop.event.is_set():
-                raise KeyboardInterrupt
+                raise Interrupted("interrupted while downloading the global parameters")
             logger.warning("could not download the global parameters; starting from the initial weights "
                            "(the first round's base check reloads them)")
         syncer.initialize(self.learner.fragment_params)
@@ -270,24 +272,29 @@ class Island:
         learner, syncer, reporter = self.learner, self.syncer, self.reporter
         if reporter is not None:
             reporter.state = "stopping"
-        learner.close()
-        summary = None
+        _quietly(learner.close, "closing the learner")
+        summary: Optional[dict] = None
         if syncer is not None:
-            _quietly(lambda: syncer.stop(timeout=self.config.outer.allreduce_timeout + self.config.outer.grace_window + 2.0),
+            outer_cfg = self.config.outer
+            _quietly(lambda: syncer.stop(timeout=outer_cfg.allreduce_timeout + outer_cfg.grace_window + 2.0),
                      "stopping rounds")
-            if stop_reason != "error" and learner.stats.inner_steps:
-                _quietly(learner.evaluate, "final evaluation")
-                summary = make_summary(self, stop_reason)
-                if self.config.summary_json:
-                    _quietly(lambda: write_json_atomic(self.config.summary_json, summary), "writing the summary")
+            if learner.stats.inner_steps:  # the run trained: its figures are kept, whatever ended it
+                if stop_reason != "error":
+                    _quietly(learner.evaluate, "final evaluation")
+                try:
+                    summary = make_summary(self, stop_reason)
+                    if self.config.summary_json:
+                        write_json_atomic(self.config.summary_json, summary)
+                except Exception as e:
+                    logger.warning("writing the summary failed: %r", e)
         if reporter is not None:
             _quietly(reporter.stop, "stopping the reporter")
             if self.dht.is_alive():
                 _quietly(reporter.board.withdraw, "withdrawing the progress record")
         if self.status_line is not None:
-            self.status_line.close()
-        self.events({"event": "stop", "reason": stop_reason})
-        self.events.close()
+            _quietly(self.status_line.close, "closing the status line")
+        _quietly(lambda: self.events({"event": "stop", "reason": stop_reason}), "logging the stop")
+        _quietly(self.events.close, "closing the event log")
         if self.dht is not None and self.dht.is_alive():
             _quietly(self.dht.shutdown, "shutting down the DHT")
         if syncer is not None:

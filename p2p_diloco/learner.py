@@ -183,8 +183,14 @@ class Learner:
 
     @torch.no_grad()
     def answer_snapshots(self) -> None:
-        """Copy the requested fragments to CPU fp32 and report the tokens/steps since their last copy."""
+        """Copy the requested fragments to CPU fp32 and report the tokens/steps since their last copy.
+
+        The syncer delivers an update (a reload, say) before it asks for the snapshot that must see
+        it, so updates queued by then are applied first: a snapshot always matches the base the
+        syncer reports in its round.
+        """
         for request in _drain(self._requests):
+            self.apply_updates()
             with request.lock:
                 if request.cancelled:
                     continue  # the syncer gave up waiting
@@ -239,7 +245,8 @@ class Learner:
     @torch.no_grad()
     def evaluate(self) -> float:
         """Mean loss over the fixed held-out batches (nats/token); snapshot requests that arrive
-        meanwhile are answered between batches, so an eval never makes a round miss its slot."""
+        meanwhile are answered between batches, so an eval never makes a round miss its slot (an
+        update applied for such a snapshot changes the parameters mid-eval)."""
         was_training = self.model.training
         self.model.eval()
         total = 0.0

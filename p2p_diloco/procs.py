@@ -21,6 +21,7 @@ logger = logging.getLogger(__name__)
 _PR_SET_PDEATHSIG = 1
 _installed = False
 _forking_pid: int | None = None
+_prctl = None  # resolved once in the parent: loading a library in a freshly forked child is risky
 
 
 def _before_fork() -> None:
@@ -30,17 +31,16 @@ def _before_fork() -> None:
 
 def _after_fork_in_child() -> None:
     try:
-        libc = ctypes.CDLL(None, use_errno=True)
-        libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+        if _prctl is not None:
+            _prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
         os.setpgid(0, 0)
-    except Exception:  # not Linux, or no prctl: children then rely on hivemind's own shutdown
+    except OSError:  # children then rely on hivemind's own shutdown
         pass
-    try:  # the parent's StopSignal handler means nothing here: terminate() must end us, and Ctrl+C
-        # is the parent's to handle (hivemind ignores SIGINT in its processes too)
-        signal.signal(signal.SIGTERM, signal.SIG_DFL)
-        signal.signal(signal.SIGINT, signal.SIG_IGN)
-    except ValueError:  # forked from a non-main thread
-        pass
+    # the parent's StopSignal handler means nothing here: terminate() must end us, and Ctrl+C is
+    # the parent's to handle (hivemind ignores SIGINT in its processes too); CPython makes the
+    # forking thread the child's main thread, so this is allowed
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     if _forking_pid is not None and os.getppid() != _forking_pid:
         os._exit(1)  # the parent died between fork and prctl
 
@@ -51,8 +51,12 @@ def install_child_hooks() -> None:
     Children must be forked from the main thread: the kernel sends the parent-death signal when the
     forking *thread* exits.
     """
-    global _installed
+    global _installed, _prctl
     if not _installed and sys.platform.startswith("linux"):
+        try:
+            _prctl = ctypes.CDLL(None, use_errno=True).prctl
+        except (OSError, AttributeError):
+            _prctl = None
         os.register_at_fork(before=_before_fork, after_in_child=_after_fork_in_child)
         _installed = True
 

@@ -301,18 +301,23 @@ class Syncer:
             logger.warning("ignored a malformed state download for fragment %d", p)
             return None
         version = int(metadata.get("version", -1))
-        if version < min_version or (want_hash and version == min_version and metadata.get("hash") != want_hash):
-            logger.debug("donor of fragment %d has version %d, not the one wanted (%d)", p, version, min_version)
+        if version < min_version:
+            logger.debug("donor of fragment %d has version %d < %d", p, version, min_version)
             return None
         theta = [t.to(torch.float32).contiguous() for t in tensors[:n]]
         momentum = [t.to(torch.float32).contiguous() for t in tensors[n:]]
+        with self._stats_lock:
+            self.stats.bytes_received += sum(t.numel() * t.element_size() for t in tensors)
         if not outer.all_finite(theta + momentum):
             logger.warning("ignored a state download with NaN/Inf for fragment %d", p)
             return None
+        digest = outer.tensors_hash(theta)  # computed here: the donor's word is not enough
+        if want_hash and version == min_version and digest != want_hash:
+            logger.debug("donor of fragment %d holds another fork of version %d", p, version)
+            return None
         with self._stats_lock:
-            self.stats.bytes_received += sum(t.numel() * t.element_size() for t in tensors)
             self.stats.reloads += 1
-        return FragmentState(theta, momentum, version, outer.tensors_hash(theta), int(metadata.get("support", 1)))
+        return FragmentState(theta, momentum, version, digest, int(metadata.get("support", 1)))
 
     def _download_until(self, p: int, *, min_version: int, deadline: float, want_hash: str = "",
                         stop: Optional[threading.Event] = None) -> Optional[FragmentState]:
@@ -324,7 +329,7 @@ class Syncer:
             if remaining <= 0:
                 return None
             state = self._download(p, min_version=min_version, want_hash=want_hash,
-                                   timeout=min(30.0, max(1.0, remaining)))
+                                   timeout=min(10.0, max(1.0, remaining)))
             if state is not None:
                 return state
             stop.wait(min(0.5, max(0.0, deadline - time.monotonic())))
@@ -361,21 +366,33 @@ class Syncer:
             return False
         return not self._stop.wait(min(remaining, at_most))
 
-    def _swarm_base(self, p: int, state: FragmentState) -> tuple[int, str]:
-        """The (version, hash) of fragment p that the live islands, this one included, agree on."""
+    def _repair_target(self, p: int, state: FragmentState) -> Optional[tuple[int, str]]:
+        """The (version, hash) of fragment p to reload, from the other live islands' records, or None.
+
+        Only a clear signal counts: a newer version (we missed a round), or, at our version, a fork
+        that strictly more islands hold than ours (we forked alone). Ties are left to the next round,
+        whose gathered metadata is the same for every member.
+        """
         bases = [(state.version, state.hash)]
         for versions, hashes in self.swarm_bases():
             if len(versions) > p and len(hashes) > p and hashes[p]:
                 bases.append((versions[p], hashes[p]))
-        return outer.canonical_base(bases)
+        newest = max(version for version, _ in bases)
+        counts: dict[tuple[int, str], int] = {}
+        for base in bases:
+            counts[base] = counts.get(base, 0) + 1
+        if newest > state.version:
+            return outer.canonical_base([base for base in bases if base[0] == newest])
+        best = max((base for base in counts if base[0] == state.version), key=counts.__getitem__)
+        return best if counts[best] > counts[(state.version, state.hash)] else None
 
     def _repair_base(self, p: int, *, deadline: float, why: str) -> bool:
-        """If the swarm's Theta_p (newer version, or the majority of a fork) differs from ours,
-        download it before ``deadline`` (wall clock) and hand it to the learner, keeping the local
-        progress made since our own Theta_p. Returns True when our base matches the swarm's."""
+        """If the swarm's Theta_p differs from ours (see :meth:`_repair_target`), download it before
+        ``deadline`` (wall clock) and hand it to the learner, keeping the local progress made since
+        our own Theta_p. Returns False only when a reload was needed and failed."""
         state = self.states[p]
-        target = self._swarm_base(p, state)
-        if target == (state.version, state.hash):
+        target = self._repair_target(p, state)
+        if target is None:
             return True
         started = time.time()
         fresh = self._download_until(p, min_version=target[0], want_hash=target[1],
@@ -391,12 +408,11 @@ class Syncer:
     def _run_round(self, p: int, slot: RoundSlot) -> None:
         cfg = self.config
         event = {"event": "round", "fragment": p, "slot": slot.index, "slot_time": slot.time, "t_start": time.time()}
-        # behind the swarm (a missed round) or on a fork (a partial all-reduce, a lone fallback):
-        # reload rather than send a pseudo-gradient computed from the wrong base
+        # behind the swarm (a missed round) or on a lone fork: reload rather than send a pseudo-gradient
+        # computed from the wrong base. If no donor answers, take part anyway: the round's gathered
+        # metadata decides, and a member on the wrong base reloads after it (never skipping forever).
         if not self._repair_base(p, deadline=slot.time - cfg.matchmaking_time / 2, why="behind"):
-            self._bump("rounds_skipped")
-            self.events(event | {"outcome": "behind", "t_end": time.time()})
-            return
+            logger.warning("fragment %d: could not reload the swarm's newer state; rounding from our own", p)
         state = self.states[p]
         timeout = max(0.05, slot.time - time.time() - cfg.matchmaking_time / 4)
         snapshot = self.learner.request_snapshot(p, timeout=timeout)

@@ -196,13 +196,25 @@ def test_an_island_behind_the_swarm_reloads_before_contributing():
     assert round_["base_version"] == 3 and lagging.stats.reloads == 1
 
 
-def test_an_island_that_cannot_reload_skips_the_round():
+def test_an_island_that_cannot_reload_still_takes_part():
+    """A swarm that looks newer but serves nothing must not make us skip rounds forever."""
     theta = _params(0)
     lagging, _, events = _syncer("l", theta, theta, bases=lambda: [([3], ["x" * 16]), ([3], ["x" * 16])])
-    group = FakeGroup(2)
+    group = FakeGroup(1, fail=True)
     lagging.averagers = [FakeAverager(lagging, group, donor=None)]
     _round(lagging)
-    assert events[-1]["outcome"] == "behind" and not group.arrived and lagging.stats.rounds_skipped == 1
+    assert events[-2]["event"] == "reload" and not events[-2]["reloaded"]
+    assert len(group.arrived) == 1 and events[-1]["outcome"] == "fallback"
+
+
+def test_a_tie_between_forks_is_left_to_the_round():
+    theta = _params(0)
+    a, _, events = _syncer("a", theta, theta, bases=lambda: [([0], ["f" * 16])])  # one other island, another fork
+    group = FakeGroup(1, fail=True)
+    a.averagers = [FakeAverager(a, group)]
+    assert a._repair_target(0, a.states[0]) is None
+    b, _, _ = _syncer("b", theta, theta, bases=lambda: [([0], ["f" * 16]), ([0], ["f" * 16])])  # a majority
+    assert b._repair_target(0, b.states[0]) == (0, "f" * 16)
 
 
 def test_stopping_mid_round_is_not_a_failed_round():
