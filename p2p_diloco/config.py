@@ -144,6 +144,11 @@ class PeerConfig(_Section):
     slowdown: float = Field(
         1.0, ge=1.0, description="simulate a slower device: each inner step takes this many times longer"
     )
+    checkpoint_dir: str = Field(
+        "", description="save checkpoints here (and resume from the newest valid one at start)"
+    )
+    checkpoint_every: float = Field(300.0, gt=0.0, description="seconds between checkpoints (one more at exit)")
+    checkpoint_keep: int = Field(3, ge=1, description="how many checkpoints to keep")
     model: ModelConfig = Field(default_factory=ModelConfig)
     data: DataConfig = Field(default_factory=DataConfig)
     inner: InnerConfig = Field(default_factory=InnerConfig)

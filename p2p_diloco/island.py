@@ -16,6 +16,9 @@ from typing import Callable, Optional
 
 import torch
 
+from concurrent.futures import Future, ThreadPoolExecutor
+
+from p2p_diloco import checkpoint as ckpt
 from p2p_diloco import data as data_lib
 from p2p_diloco import transport
 from p2p_diloco.config import PeerConfig
@@ -141,6 +144,8 @@ class Island:
         self.identity = transport.ensure_identity(config.identity_path) if config.identity_path else ""
         if config.summary_json:
             _check_writable(config.summary_json, "--summary-json")
+        if config.checkpoint_dir:
+            _check_writable(os.path.join(config.checkpoint_dir, "x"), "--checkpoint-dir")
         try:
             spec = resolve_spec(config.model)
         except ValueError as e:
@@ -179,7 +184,19 @@ class Island:
             config.island, config.model.preset, count_parameters(self.model) / 1e6, self.layout.num_fragments,
             self.device, shard, config.data.num_shards, len(sampler.tokens), self.fingerprint,
         )
-        self.shard = shard
+        self.shard, self.sampler = shard, sampler
+        self.resume, self.resumed_from, self.last_checkpoint = None, None, None
+        if config.checkpoint_dir:
+            try:
+                self.resume, self.resumed_from = ckpt.load_newest(config.checkpoint_dir, fingerprint=self.fingerprint)
+            except ckpt.CheckpointMismatch as e:
+                raise ConfigError(f"--checkpoint-dir: {e}; use another folder for this configuration") from None
+            if self.resume is not None:
+                logger.info("resuming from %s (inner step %d, fragment versions %s)", self.resumed_from,
+                            self.resume.meta["inner_step"], [f.version for f in self.resume.fragments])
+        self._writer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="checkpoint")
+        self._writing: Optional[Future] = None
+        self._next_checkpoint = time.monotonic() + config.checkpoint_every
         self.dht = None
         self.syncer: Optional[Syncer] = None
         self.reporter: Optional[Reporter] = None
@@ -226,12 +243,16 @@ class Island:
                                      fingerprint=self.fingerprint, island=config.island, show=self._show,
                                      health=self._health, on_failure=self.stop.event.set)
             self.reporter.start()
-            self._join([r for r in others if r.state == "training" and r.fingerprint == self.fingerprint])
+            if self.resume is not None:
+                self._restore()
+            else:
+                self._join([r for r in others if r.state == "training" and r.fingerprint == self.fingerprint])
             self.syncer.start()
             self.reporter.state = "training"
             self.learner.evaluate()
             stop_reason = self.learner.run(self.stop.event, max_steps=config.max_steps,
-                                           max_seconds=config.max_minutes * 60, eval_every=config.eval_every)
+                                           max_seconds=config.max_minutes * 60, eval_every=config.eval_every,
+                                           between_steps=self._maybe_checkpoint if config.checkpoint_dir else None)
             if self.reporter.failure:
                 stop_reason = "helper_died"
             logger.info("stopping (%s)", stop_reason)
@@ -267,6 +288,49 @@ class Island:
                            "(the first round's base check reloads them)")
         syncer.initialize(self.learner.fragment_params)
 
+    def _restore(self) -> None:
+        """Continue from the checkpoint found at start: global states, then the inner state. A swarm
+        that moved on meanwhile is caught up by the first round's base check (keeping local progress)."""
+        saved = self.resume
+        try:
+            self.syncer.restore(saved.fragments)
+            self.learner.restore(saved.params, saved.exp_avg, saved.exp_avg_sq, saved.meta)
+        except (ValueError, KeyError) as e:
+            raise ConfigError(f"--checkpoint-dir: {self.resumed_from} does not fit this model ({e})") from None
+        if saved.meta.get("sampler"):
+            self.sampler.rng.bit_generator.state = saved.meta["sampler"]
+        self.events({"event": "resume", "path": str(self.resumed_from), "inner_step": saved.meta["inner_step"],
+                     "versions": self.syncer.versions})
+        self.resume = None  # release the tensors
+
+    def _capture(self) -> ckpt.IslandCheckpoint:
+        """A consistent checkpoint of this island, taken on the learner thread at a step boundary."""
+        states = self.syncer.consistent_states(self.learner.apply_updates)
+        inner = self.learner.capture()
+        fragments = [ckpt.GlobalFragment(s.theta, s.momentum, s.version, s.hash, s.support) for s in states]
+        meta = inner["meta"] | {"sampler": self.sampler.rng.bit_generator.state}
+        return ckpt.IslandCheckpoint(self.fingerprint, self.config.island, fragments, inner["params"],
+                                     inner["exp_avg"], inner["exp_avg_sq"], meta)
+
+    def _save(self, checkpoint: ckpt.IslandCheckpoint) -> None:
+        started = time.monotonic()
+        path = ckpt.save_checkpoint(self.config.checkpoint_dir, checkpoint, keep=self.config.checkpoint_keep)
+        self.last_checkpoint = str(path)
+        self.events({"event": "checkpoint", "path": str(path), "seconds": time.monotonic() - started,
+                     "bytes": path.stat().st_size, "inner_step": checkpoint.meta["inner_step"],
+                     "versions": [f.version for f in checkpoint.fragments]})
+
+    def _maybe_checkpoint(self) -> None:
+        """Every ``checkpoint_every`` seconds: capture now, write in the background (skipped while the
+        previous write is still running)."""
+        if time.monotonic() < self._next_checkpoint or (self._writing is not None and not self._writing.done()):
+            return
+        self._next_checkpoint = time.monotonic() + self.config.checkpoint_every
+        checkpoint = self._capture()
+        self._writing = self._writer.submit(self._save, checkpoint)
+        self._writing.add_done_callback(
+            lambda f: f.exception() and logger.error("checkpoint failed: %r", f.exception()))
+
     def _finish(self, stop_reason: str) -> Optional[dict]:
         """Stop rounds, evaluate, write the summary, then shut down; each step runs even if one fails."""
         learner, syncer, reporter = self.learner, self.syncer, self.reporter
@@ -281,6 +345,10 @@ class Island:
             if learner.stats.inner_steps:  # the run trained: its figures are kept, whatever ended it
                 if stop_reason != "error":
                     _quietly(learner.evaluate, "final evaluation")
+                    if self.config.checkpoint_dir:  # after the last round: no completed round is lost
+                        if self._writing is not None:
+                            _quietly(self._writing.result, "waiting for the periodic checkpoint")
+                        _quietly(lambda: self._save(self._capture()), "the final checkpoint")
                 try:
                     summary = make_summary(self, stop_reason)
                     if self.config.summary_json:
@@ -299,6 +367,7 @@ class Island:
             _quietly(self.dht.shutdown, "shutting down the DHT")
         if syncer is not None:
             _quietly(syncer.close, "ending the averagers")
+        self._writer.shutdown(wait=True)
         return summary
 
     # ------------------------------------------------------------------ reporting
@@ -370,6 +439,8 @@ def make_summary(island: Island, stop_reason: str) -> dict:
         "bytes_sent": sync.bytes_sent,
         "bytes_received": sync.bytes_received,
         "elements_clipped": sync.clipped,
+        "resumed_from": str(island.resumed_from) if island.resumed_from else None,
+        "checkpoint": island.last_checkpoint,
     }
 
 

@@ -262,12 +262,13 @@ class Learner:
         return value
 
     def run(self, stop: threading.Event, *, max_steps: int = 0, max_seconds: float = 0.0,
-            eval_every: float = 60.0) -> str:
+            eval_every: float = 60.0, between_steps: Optional[Callable[[], None]] = None) -> str:
         """Train until ``stop`` is set or a limit is reached.
 
         :param max_steps: stop after this many inner steps in total (0: no limit)
         :param max_seconds: stop this many seconds after the first step started (0: no limit)
         :param eval_every: seconds between held-out evaluations
+        :param between_steps: called at every step boundary (e.g. to take a checkpoint); must be quick
         :returns: why it stopped: ``"signal"``, ``"max_steps"`` or ``"max_minutes"``
         """
         self.model.train()
@@ -280,10 +281,57 @@ class Learner:
             if max_seconds and self.stats.first_step_start and time.time() - self.stats.first_step_start >= max_seconds:
                 return "max_minutes"
             self.service()
+            if between_steps is not None:
+                between_steps()
             if time.monotonic() - last_eval >= eval_every:
                 self.evaluate()
                 last_eval = time.monotonic()
             self.train_step()
+
+    @torch.no_grad()
+    def capture(self) -> dict:
+        """CPU copies of the inner state at a step boundary: parameters and AdamW moments (by
+        parameter name) and the counters a resumed run continues from (for checkpoints)."""
+        params, exp_avg, exp_avg_sq, adam_steps = {}, {}, {}, {}
+        for name, param in self.model.named_parameters():
+            params[name] = param.detach().to("cpu", torch.float32, copy=True)
+            state = self.optimizer.state.get(param)
+            if state:
+                exp_avg[name] = state["exp_avg"].detach().to("cpu", copy=True)
+                exp_avg_sq[name] = state["exp_avg_sq"].detach().to("cpu", copy=True)
+                adam_steps[name] = float(state["step"])
+        stats = self.stats
+        meta = {
+            "inner_step": stats.inner_steps, "tokens": stats.tokens, "marks": [list(m) for m in self.marks],
+            "scheduler_step": self.scheduler.last_epoch, "adam_steps": adam_steps,
+            "loss_first": stats.loss_first, "loss_ema": stats.loss_ema,
+            "eval_loss_first": stats.eval_loss_first, "eval_loss": stats.eval_loss,
+        }
+        return {"params": params, "exp_avg": exp_avg, "exp_avg_sq": exp_avg_sq, "meta": meta}
+
+    @torch.no_grad()
+    def restore(self, params: dict, exp_avg: dict, exp_avg_sq: dict, meta: dict) -> None:
+        """Load what :meth:`capture` returned (from a checkpoint), before training starts.
+
+        :raises KeyError: if a parameter of the model is missing
+        """
+        for name, param in self.model.named_parameters():
+            param.copy_(params[name].to(param.device))
+            if name in exp_avg:
+                self.optimizer.state[param] = {
+                    "step": torch.tensor(meta["adam_steps"][name], dtype=torch.float32),
+                    "exp_avg": exp_avg[name].to(param.device).clone(),
+                    "exp_avg_sq": exp_avg_sq[name].to(param.device).clone(),
+                }
+        step = self.scheduler.last_epoch = int(meta["scheduler_step"])
+        for group, base, factor in zip(self.optimizer.param_groups, self.scheduler.base_lrs,
+                                       self.scheduler.lr_lambdas):
+            group["lr"] = base * factor(step)  # what LambdaLR would have set at this step
+        stats = self.stats
+        stats.inner_steps, stats.tokens = int(meta["inner_step"]), int(meta["tokens"])
+        stats.loss_first, stats.loss_ema = meta.get("loss_first"), meta.get("loss_ema")
+        stats.eval_loss_first, stats.eval_loss = meta.get("eval_loss_first"), meta.get("eval_loss")
+        self.marks = [tuple(m) for m in meta["marks"]]
 
     def close(self) -> None:
         """Stop taking snapshot requests and release any that wait."""

@@ -150,6 +150,7 @@ class Syncer:
         self._stop = threading.Event()
         self._threads: list[threading.Thread] = []
         self._stats_lock = threading.Lock()
+        self._commit_lock = threading.Lock()
 
     # ---------------------------------------------------------------- setup (main thread)
 
@@ -180,6 +181,23 @@ class Syncer:
         for p, fragment in enumerate(params):
             theta = [t.detach().to("cpu", torch.float32, copy=True) for t in fragment]
             self._publish(p, FragmentState(theta, [torch.zeros_like(t) for t in theta], 0, outer.tensors_hash(theta)))
+
+    def restore(self, fragments: Sequence) -> None:
+        """Start from saved global states (``checkpoint.GlobalFragment``: theta, momentum, version,
+        hash, support), e.g. after a whole swarm restarted.
+
+        :raises ValueError: if a fragment's shapes or hash do not match this layout
+        """
+        if len(fragments) != self.layout.num_fragments:
+            raise ValueError(f"{len(fragments)} saved fragments, the layout has {self.layout.num_fragments}")
+        for p, saved in enumerate(fragments):
+            if [t.shape for t in saved.theta] != self.shapes[p] or [t.shape for t in saved.momentum] != self.shapes[p]:
+                raise ValueError(f"saved fragment {p} has other shapes than this model")
+            theta = [t.to(torch.float32).contiguous() for t in saved.theta]
+            if outer.tensors_hash(theta) != saved.hash:
+                raise ValueError(f"saved fragment {p} does not match its hash")
+            momentum = [t.to(torch.float32).contiguous() for t in saved.momentum]
+            self._publish(p, FragmentState(theta, momentum, saved.version, saved.hash, saved.support))
 
     def load_from_peers(self, *, timeout: float, stop: threading.Event) -> bool:
         """Download Theta_p, m_p and v_p of every fragment from live peers (with donor failover).
@@ -399,7 +417,6 @@ class Syncer:
                                      deadline=time.monotonic() + max(0.5, deadline - started))
         if fresh is not None:
             self._hand_over(p, fresh, base=state.theta, reason="reload")
-            self._publish(p, fresh)
         self.events({"event": "reload", "why": why, "fragment": p, "t_start": started, "t_end": time.time(),
                      "base_version": state.version, "target_version": target[0], "reloaded": fresh is not None,
                      "new_version": self.versions[p], "new_hash": self.hashes[p]})
@@ -462,7 +479,6 @@ class Syncer:
             event |= {"outcome": "fallback", "group_size": 1 if gathered is None else len(members)}
         if new_state is not state:
             self._hand_over(p, new_state, base=snapshot.params, reason=event["outcome"])
-            self._publish(p, new_state)
         self.events(event | {"new_version": new_state.version, "new_hash": new_state.hash, "t_end": time.time()})
 
     def _apply_group_result(self, p: int, state: FragmentState, members: list[dict], merged: list[torch.Tensor],
@@ -499,8 +515,6 @@ class Syncer:
         logger.error("fragment %d: local parameters have NaN/Inf; not contributing, resetting them", p)
         fresh = self._download_until(p, min_version=state.version, deadline=time.monotonic() + 2.0)
         self._hand_over(p, fresh or state, base=None, reason="reload", reset_optimizer=True)
-        if fresh is not None:
-            self._publish(p, fresh)
         self._bump("rounds_skipped")
         self.events(event | {"outcome": "nonfinite", "reloaded": fresh is not None, "t_end": time.time()})
 
@@ -541,15 +555,27 @@ class Syncer:
 
     def _hand_over(self, p: int, state: FragmentState, *, base: Optional[list[torch.Tensor]], reason: str,
                    reset_optimizer: bool = False) -> None:
-        """Send the new Theta_p to the learner; ``base`` is what the learner's progress is measured from
-        (None: replace the local parameters outright)."""
+        """Make ``state`` the island's Theta_p and send it to the learner; ``base`` is what the
+        learner's progress is measured from (None: replace the local parameters outright). Delivery
+        and publication happen together under a lock, so :meth:`consistent_states` never sees one
+        without the other."""
         if base is None:
             update = OuterUpdate(p, "replace", state.theta, 0.0, state.version, reason, reset_optimizer)
         elif self.config.apply == "mix":
             update = OuterUpdate(p, "mix", state.theta, self.config.alpha, state.version, reason)
         else:
             update = OuterUpdate(p, "carry", outer.carry_correction(state.theta, base), 0.0, state.version, reason)
-        self.learner.deliver(update)
+        with self._commit_lock:
+            self.learner.deliver(update)
+            if self.states[p] is not state:
+                self._publish(p, state)
+
+    def consistent_states(self, apply_updates: Callable[[], None]) -> list[FragmentState]:
+        """The current Theta states, with ``apply_updates`` (the learner's) run under the same lock:
+        the local parameters then include exactly the updates of the states returned (checkpoints)."""
+        with self._commit_lock:
+            apply_updates()
+            return list(self.states)
 
     def _bump(self, counter: str) -> None:
         with self._stats_lock:
