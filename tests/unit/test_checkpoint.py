@@ -13,6 +13,7 @@ from p2p_diloco.data import BatchSampler
 from p2p_diloco.fragments import balanced_layout
 from p2p_diloco.learner import Learner
 from p2p_diloco.model import ModelSpec, build_model
+from p2p_diloco.outer import tensors_hash
 
 SPEC = ModelSpec(hidden_size=16, num_layers=1, num_heads=2, intermediate_size=32, vocab_size=64, seq_len=8,
                  batch_size=2)
@@ -33,8 +34,6 @@ def _checkpoint(learner, version=4):
     fragments = []
     for params in learner.fragment_params:
         theta = [p.detach().clone() for p in params]
-        from p2p_diloco.outer import tensors_hash
-
         fragments.append(ckpt.GlobalFragment(theta, [t * 0.1 for t in theta], version, tensors_hash(theta), 2))
     return ckpt.IslandCheckpoint("fp", "isl", fragments, inner["params"], inner["exp_avg"], inner["exp_avg_sq"],
                                  inner["meta"] | {"sampler": {"x": 1}})
@@ -51,8 +50,7 @@ def test_round_trip_restores_a_learner_exactly(tmp_path):
     for (name, a), b in zip(source.model.named_parameters(), target.model.parameters()):
         assert torch.equal(a, b), name
     # both continue identically: same moments, same step counts, same learning rate
-    batch_source, batch_target = source.next_batch, target.next_batch
-    fixed = batch_source()
+    fixed = source.next_batch()
     source.next_batch = target.next_batch = lambda: fixed
     source.train_step(), target.train_step()
     for a, b in zip(source.model.parameters(), target.model.parameters()):
