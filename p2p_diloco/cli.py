@@ -31,7 +31,7 @@ def build_parser() -> argparse.ArgumentParser:
         epilog=EPILOG,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    commands = parser.add_subparsers(dest="command", metavar="{bootstrap,peer,status}", required=True)
+    commands = parser.add_subparsers(dest="command", metavar="{bootstrap,peer,status,chaos}", required=True)
 
     bootstrap = commands.add_parser(
         "bootstrap", help="run a long-lived DHT peer that islands join through",
@@ -55,7 +55,18 @@ def build_parser() -> argparse.ArgumentParser:
     )
     config_lib.add_config_arguments(status, config_lib.StatusConfig)
 
-    for sub in (bootstrap, peer, status):
+    chaos = commands.add_parser(
+        "chaos", help="run a local swarm with scheduled faults and report what they cost",
+        description="Start a bootstrap node and islands on 127.0.0.1, inject the schedule's faults "
+        "(kill and restart, freeze, bootstrap death) and write report.json (goodput, global downtime, "
+        "stall per failure, time to rejoin) and timeline.png to the output folder.",
+    )
+    chaos.add_argument("--schedule", default="", metavar="FILE", help="a TOML or YAML schedule (see docs/CHAOS.md)")
+    chaos.add_argument("--out", default="", metavar="DIR", help="output folder (default: runs/chaos-<timestamp>)")
+    chaos.add_argument("--islands", type=int, metavar="N", help="override the schedule's number of islands")
+    chaos.add_argument("--minutes", type=float, metavar="X", help="override the schedule's measured minutes")
+
+    for sub in (bootstrap, peer, status, chaos):
         sub.add_argument("-v", "--verbose", action="store_true", help="debug logs, including hivemind's")
     return parser
 
@@ -97,6 +108,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             from p2p_diloco.status import run_status
 
             run_status(config_lib.build_config(config_lib.StatusConfig, args), stop)
+        elif args.command == "chaos":
+            return run_chaos(args, stop)
         else:
             from p2p_diloco.island import run_peer
 
@@ -116,6 +129,31 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     except KeyboardInterrupt:
         return 130
     return 0
+
+
+def run_chaos(args: argparse.Namespace, stop) -> int:
+    """``p2p-diloco chaos``: run a schedule and print its headline figures."""
+    import time
+
+    from p2p_diloco.chaos import ChaosConfig, ChaosRun, load_schedule
+
+    config = load_schedule(args.schedule) if args.schedule else ChaosConfig()
+    overrides = {key: value for key, value in (("islands", args.islands), ("minutes", args.minutes)) if value}
+    if overrides:
+        config = ChaosConfig.model_validate(config.model_dump() | overrides)
+    out = args.out or f"runs/chaos-{time.strftime('%Y%m%d-%H%M%S')}"
+    run = ChaosRun(config, out, stop.event)
+    try:
+        report = run.run()
+    except RuntimeError as e:
+        run.close()
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+    figures = report["figures"]
+    print(f"goodput {figures['goodput']:.3f}, alive utilization {figures['alive_utilization']:.3f}, "
+          f"global downtime {figures['global_downtime_seconds']:.1f} s, stall per failure median "
+          f"{figures['stall_seconds_median']} s / max {figures['stall_seconds_max']} s; report in {out}/report.json")
+    return 130 if stop.event.is_set() else 0
 
 
 def _fmt(value) -> str:

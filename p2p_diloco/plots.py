@@ -50,3 +50,56 @@ def plot_loss_vs_tokens(event_logs: Mapping[str, str | Path], out_path: str | Pa
     fig.savefig(out)
     plt.close(fig)
     return out
+
+
+def plot_timeline(events: Mapping[str, list], *, alive: Mapping[str, list], frozen: Mapping[str, list],
+                  faults: list, start: float, end: float, out_path: str | Path) -> Path:
+    """One row per island over the run: training (green), loading after a (re)start (orange),
+    frozen by SIGSTOP (blue), down (red); faults are vertical marks. Times in seconds from ``start``.
+
+    :param events: island -> its events; ``alive``/``frozen``: island -> [(start, end)] wall times
+    :returns: the PNG's path
+    """
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    from matplotlib.patches import Patch
+
+    from p2p_diloco.figures import clip, subtract
+
+    colors = {"training": "#4caf50", "loading": "#ff9800", "frozen": "#2196f3", "down": "#e53935"}
+    names = sorted(events)
+    fig, ax = plt.subplots(figsize=(11, 0.6 * len(names) + 2.0), dpi=120)
+    for row, name in enumerate(names):
+        spans = clip([tuple(s) for s in alive.get(name, [])], start, end)
+        steps = [(e["t"] - e["dt"], e["t"]) for e in events[name] if e.get("event") == "step"]
+        loading = []
+        for a, b in spans:
+            first = min((s for s, _ in steps if s >= a - 1e-6), default=b)
+            loading.append((a, min(first, b)))
+        cold = clip([tuple(s) for s in frozen.get(name, [])], start, end)
+        parts = {
+            "down": subtract([(start, end)], spans),
+            "frozen": cold,
+            "loading": subtract(loading, cold),
+            "training": subtract(subtract(spans, loading), cold),
+        }
+        for state, intervals in parts.items():
+            ax.broken_barh([(a - start, b - a) for a, b in intervals], (row - 0.35, 0.7), color=colors[state])
+    for fault in faults:
+        x = fault["t"] - start
+        ax.axvline(x, color="black", lw=0.8, alpha=0.6)
+        ax.text(x, len(names) - 0.4, f"{fault['kind']} {fault.get('island', '')}".strip(), rotation=90,
+                fontsize=7, va="bottom", ha="right")
+    ax.set_yticks(range(len(names)), names)
+    ax.set_xlim(0, end - start)
+    ax.set_ylim(-0.6, len(names) + 1.2)
+    ax.set_xlabel("seconds since every island trained")
+    ax.legend(handles=[Patch(color=c, label=s) for s, c in colors.items()], loc="upper right", fontsize=8, ncol=4)
+    fig.tight_layout()
+    out = Path(out_path)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(out)
+    plt.close(fig)
+    return out

@@ -1,0 +1,280 @@
+"""Chaos runs: a local swarm with scheduled faults, and the figures of what they cost.
+
+``p2p-diloco chaos --schedule FILE`` starts a bootstrap node and N islands on 127.0.0.1, injects
+the schedule's faults at their times (seconds after every island trains), stops the swarm at the
+end and writes, under the output folder, ``report.json`` (goodput, global downtime, stall per
+failure, time to rejoin, rounds, eval losses) and ``timeline.png``, next to every island's logs.
+
+Faults: ``kill`` (SIGKILL an island; ``restart_after`` seconds later it restarts with the same
+identity), ``freeze`` (SIGSTOP the island's whole process tree for ``duration`` seconds, then
+SIGCONT: a straggler), ``kill_bootstrap`` (the islands keep training and a restarted island joins
+through a live island's address).
+"""
+
+from __future__ import annotations
+
+import heapq
+import json
+import logging
+import os
+import signal
+import time
+from pathlib import Path
+from typing import Literal, Optional
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from p2p_diloco.config import format_validation_error, load_toml
+from p2p_diloco.errors import ConfigError
+from p2p_diloco.events import read_events
+from p2p_diloco.figures import run_figures
+from p2p_diloco.localswarm import LocalSwarm, descendants
+
+logger = logging.getLogger(__name__)
+
+
+class Fault(BaseModel):
+    """One scheduled fault."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    at: float = Field(ge=0.0, description="seconds after every island trains")
+    kind: Literal["kill", "freeze", "kill_bootstrap"]
+    island: str = Field("", description="the island (kill, freeze)")
+    restart_after: Optional[float] = Field(None, gt=0.0, description="kill: restart this many seconds later")
+    duration: float = Field(10.0, gt=0.0, description="freeze: seconds until SIGCONT")
+
+
+class ChaosConfig(BaseModel):
+    """A chaos run: the swarm, its length and its faults (TOML or YAML)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    islands: int = Field(4, ge=1, le=16)
+    minutes: float = Field(3.0, gt=0.0, description="measured minutes, after every island trains")
+    run_id: str = "chaos"
+    preset: Literal["tiny", "small", "base"] = "tiny"
+    period: float = Field(20.0, gt=0.0, description="outer period T_outer, seconds")
+    fragments: int = Field(2, ge=1)
+    threads: int = Field(1, ge=0)
+    island_args: list[str] = Field(default_factory=list, description="extra flags for every island")
+    checkpoint_every: Optional[float] = Field(
+        None, gt=0.0, description="give each island its own checkpoint folder, saved this often (seconds)"
+    )
+    faults: list[Fault] = Field(default_factory=list)
+
+
+def load_schedule(path: str) -> ChaosConfig:
+    """Read a schedule from TOML (``.toml``) or YAML (``.yaml``/``.yml``).
+
+    :raises ConfigError: unreadable file or invalid content (the message names the field)
+    """
+    if path.endswith((".yaml", ".yml")):
+        import yaml
+
+        try:
+            with open(path, encoding="utf-8") as f:
+                data = yaml.safe_load(f) or {}
+        except FileNotFoundError:
+            raise ConfigError(f"schedule {path} does not exist") from None
+        except yaml.YAMLError as e:
+            raise ConfigError(f"schedule {path} is not valid YAML: {e}") from None
+    else:
+        data = load_toml(path)
+    try:
+        config = ChaosConfig.model_validate(data)
+    except ValidationError as e:
+        raise ConfigError(f"schedule {path}: {format_validation_error(e)}") from None
+    names = {f"island-{i}" for i in range(config.islands)}
+    for fault in config.faults:
+        if fault.kind in ("kill", "freeze") and fault.island not in names:
+            raise ConfigError(f"schedule {path}: fault at {fault.at} s names island {fault.island!r}, "
+                              f"expected one of {', '.join(sorted(names))}")
+    return config
+
+
+class ChaosRun:
+    """Runs one schedule; every process it starts is ended by :meth:`close` (also on Ctrl+C)."""
+
+    def __init__(self, config: ChaosConfig, out: str | Path, stop):
+        self.config, self.out, self.stop = config, Path(out), stop
+        self.swarm = LocalSwarm(self.out, run_id=config.run_id)
+        self.names = [f"island-{i}" for i in range(config.islands)]
+        self.faults: list[dict] = []  # what was done, when
+        self.alive: dict[str, list[list[float]]] = {name: [] for name in self.names}  # [start, end]
+        self.frozen: dict[str, list[list[float]]] = {name: [] for name in self.names}
+        self.t0 = 0.0
+
+    def island_args(self, index: int) -> list[str]:
+        config, budget = self.config, self.config.period / self.config.fragments
+        matchmaking = min(2.0, 0.35 * budget)
+        return [
+            "--preset", config.preset, "--device", "cpu", "--threads", str(config.threads),
+            "--data-num-shards", str(max(8, config.islands)), "--data-shard-index", str(index),
+            "--outer-fragments", str(config.fragments), "--outer-period", str(config.period),
+            "--outer-matchmaking-time", f"{matchmaking:.3f}", "--outer-grace-window", f"{min(1.0, 0.15 * budget):.3f}",
+            "--outer-allreduce-timeout", f"{min(3.0, 0.35 * budget):.3f}",
+            "--outer-request-timeout", f"{min(0.5, matchmaking / 2 - 0.05):.3f}",
+            "--identity-path", str(self.out / "keys" / f"island-{index}.key"),
+            "--progress-period", "2", "--progress-ttl", "10",
+            *(["--checkpoint-dir", str(self.checkpoint_dir(index)), "--checkpoint-every", str(config.checkpoint_every)]
+              if config.checkpoint_every else []),
+            *config.island_args,
+        ]
+
+    def checkpoint_dir(self, index: int) -> Path:
+        """Island ``index``'s own checkpoint folder (used when the schedule sets checkpoint_every)."""
+        return self.out / "checkpoints" / f"island-{index}"
+
+    def _start(self, name: str, initial_peers: Optional[list[str]] = None) -> None:
+        self.swarm.start_island(name, *self.island_args(self.names.index(name)), initial_peers=initial_peers)
+        self.alive[name].append([time.time(), float("inf")])
+
+    def _live_peers(self) -> list[str]:
+        """Addresses to join through: the bootstrap node's, else those of a live island."""
+        if self.swarm.bootstrap is not None and self.swarm.bootstrap.alive():
+            return self.swarm.initial_peers
+        for name, island in self.swarm.islands.items():
+            if island.alive():
+                starts = [e for e in read_events(str(self.swarm.events_path(name))) if e.get("event") == "start"]
+                if starts:
+                    return [m for m in starts[-1]["maddrs"] if "/127.0.0.1/" in m] or starts[-1]["maddrs"]
+        return self.swarm.initial_peers
+
+    def _record(self, kind: str, island: str = "", **extra) -> None:
+        fault = {"t": time.time(), "kind": kind, "island": island, **extra}
+        self.faults.append(fault)
+        logger.info("%s %s", kind, island)
+
+    def _tree(self, name: str) -> list[int]:
+        pid = self.swarm.islands[name].pid
+        return [pid, *descendants(pid)]
+
+    def run(self) -> dict:
+        """Start, inject, stop, report. Returns the report (also written to report.json)."""
+        self.out.mkdir(parents=True, exist_ok=True)
+        self.swarm.start_bootstrap()
+        for name in self.names:
+            self._start(name)
+        self._wait_all_training()
+        self.t0 = time.time()
+        end = self.t0 + self.config.minutes * 60
+        agenda: list[tuple[float, int, str, dict]] = []
+        for index, fault in enumerate(self.config.faults):
+            heapq.heappush(agenda, (self.t0 + fault.at, index, fault.kind, fault.model_dump()))
+        counter = len(agenda)
+        while not self.stop.is_set():
+            now = time.time()
+            if agenda and agenda[0][0] <= now:
+                _, _, kind, fault = heapq.heappop(agenda)
+                follow_up = self._apply(kind, fault)
+                if follow_up is not None:
+                    counter += 1
+                    heapq.heappush(agenda, (now + follow_up[0], counter, follow_up[1], fault))
+                continue
+            if now >= end:
+                break
+            self.swarm.remember_trees()
+            self.stop.wait(min(0.5, max(0.0, min([end] + [a[0] for a in agenda[:1]]) - now)))
+        measured_end = time.time()
+        self.close()
+        return self.report(measured_end)
+
+    def _apply(self, kind: str, fault: dict) -> Optional[tuple[float, str]]:
+        name = fault.get("island", "")
+        if kind == "kill":
+            self.swarm.islands[name].signal(signal.SIGKILL)
+            self.alive[name][-1][1] = time.time()
+            self._record("kill", name)
+            return (fault["restart_after"], "restart") if fault.get("restart_after") else None
+        if kind == "restart":
+            self._start(name, initial_peers=self._live_peers())
+            self._record("restart", name)
+            return None
+        if kind == "freeze":
+            for pid in self._tree(name):
+                _signal(pid, signal.SIGSTOP)
+            self.frozen[name].append([time.time(), float("inf")])
+            self._record("freeze", name, duration=fault["duration"])
+            return fault["duration"], "thaw"
+        if kind == "thaw":
+            for pid in self._tree(name):
+                _signal(pid, signal.SIGCONT)
+            self.frozen[name][-1][1] = time.time()
+            self._record("thaw", name)
+            return None
+        if kind == "kill_bootstrap":
+            self.swarm.bootstrap.signal(signal.SIGKILL)
+            self._record("kill_bootstrap")
+            return None
+        raise ValueError(kind)
+
+    def _wait_all_training(self, timeout: float = 240.0) -> None:
+        deadline = time.monotonic() + timeout
+        while not self.stop.is_set():
+            ready = [n for n in self.names if any(
+                e.get("event") == "step" for e in _tail_events(self.swarm.events_path(n)))]
+            if len(ready) == len(self.names):
+                return
+            dead = [n for n, island in self.swarm.islands.items() if not island.alive()]
+            if dead or time.monotonic() > deadline:
+                raise RuntimeError(f"islands did not start training: {dead or 'timeout'}; see {self.out}")
+            self.stop.wait(1.0)
+
+    def close(self) -> None:
+        """Thaw frozen islands, then stop every process."""
+        now = time.time()
+        for name, spans in self.frozen.items():
+            if spans and spans[-1][1] == float("inf") and self.swarm.islands[name].alive():
+                for pid in self._tree(name):
+                    _signal(pid, signal.SIGCONT)
+                spans[-1][1] = now
+        leftovers = self.swarm.close()
+        for name, spans in self.alive.items():
+            if spans and spans[-1][1] == float("inf"):
+                spans[-1][1] = time.time()
+        if leftovers:
+            logger.warning("force-killed leftover processes: %s", leftovers)
+
+    def report(self, end: float) -> dict:
+        """Figures of the run from the islands' own event logs; writes report.json and timeline.png."""
+        events = {name: read_events(str(self.swarm.events_path(name))) for name in self.names}
+        alive = {n: [tuple(s) for s in spans] for n, spans in self.alive.items()}
+        frozen = {n: [tuple(s) for s in spans] for n, spans in self.frozen.items()}
+        figures = run_figures(events, start=self.t0, end=end, alive=alive, frozen=frozen, faults=self.faults)
+        rounds = {name: _count_outcomes(evs) for name, evs in events.items()}
+        evals = {name: [e["eval_loss"] for e in evs if e.get("event") == "eval"] for name, evs in events.items()}
+        report = {
+            "schedule": self.config.model_dump(),
+            "start": self.t0, "end": end,
+            "faults": self.faults,
+            "figures": figures.as_dict(),
+            "rounds": rounds,
+            "eval_loss": {name: {"first": v[0] if v else None, "last": v[-1] if v else None}
+                          for name, v in evals.items()},
+        }
+        (self.out / "report.json").write_text(json.dumps(report, indent=2) + "\n")
+        from p2p_diloco.plots import plot_timeline
+
+        plot_timeline(events, alive=alive, frozen=frozen, faults=self.faults, start=self.t0, end=end,
+                      out_path=self.out / "timeline.png")
+        return report
+
+
+def _signal(pid: int, signum: int) -> None:
+    try:
+        os.kill(pid, signum)
+    except OSError:
+        pass
+
+
+def _tail_events(path: Path) -> list[dict]:
+    return read_events(str(path)) if path.exists() else []
+
+
+def _count_outcomes(events: list[dict]) -> dict:
+    counts: dict[str, int] = {}
+    for event in events:
+        if event.get("event") == "round":
+            counts[event["outcome"]] = counts.get(event["outcome"], 0) + 1
+    return counts

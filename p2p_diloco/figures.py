@@ -1,0 +1,175 @@
+"""Run figures computed from the islands' own event logs (definitions: DESIGN.md, "What we measure").
+
+All times are wall-clock seconds. An island's *steps* are the intervals ``[t - dt, t]`` of its
+``step`` events; *faults* are what a chaos run did and when (``{"t", "kind", "island", ...}``);
+*down* and *frozen* intervals say when an island was not running or was stopped by SIGSTOP.
+"""
+
+from __future__ import annotations
+
+import statistics
+from dataclasses import dataclass, field
+from typing import Iterable, Mapping, Sequence
+
+Interval = tuple[float, float]
+
+
+def merge(intervals: Iterable[Interval]) -> list[Interval]:
+    """Union of intervals, as sorted disjoint intervals."""
+    merged: list[list[float]] = []
+    for start, end in sorted(i for i in intervals if i[1] > i[0]):
+        if merged and start <= merged[-1][1]:
+            merged[-1][1] = max(merged[-1][1], end)
+        else:
+            merged.append([start, end])
+    return [(a, b) for a, b in merged]
+
+
+def length(intervals: Iterable[Interval]) -> float:
+    """Total length of the union of intervals."""
+    return sum(b - a for a, b in merge(intervals))
+
+
+def clip(intervals: Iterable[Interval], start: float, end: float) -> list[Interval]:
+    """The parts of the intervals inside [start, end]."""
+    return [(max(a, start), min(b, end)) for a, b in intervals if b > start and a < end]
+
+
+def subtract(base: Sequence[Interval], holes: Iterable[Interval]) -> list[Interval]:
+    """``base`` minus ``holes`` (both unions)."""
+    result = []
+    holes = merge(holes)
+    for a, b in merge(base):
+        cursor = a
+        for h0, h1 in holes:
+            if h1 <= cursor or h0 >= b:
+                continue
+            if h0 > cursor:
+                result.append((cursor, h0))
+            cursor = max(cursor, h1)
+        if cursor < b:
+            result.append((cursor, b))
+    return result
+
+
+def step_intervals(events: Iterable[dict]) -> list[Interval]:
+    """The inner-step intervals of one island's events."""
+    return [(e["t"] - e["dt"], e["t"]) for e in events if e.get("event") == "step"]
+
+
+def global_downtime(steps: Mapping[str, Sequence[Interval]], alive: Mapping[str, Sequence[Interval]],
+                    start: float, end: float, min_gap: float = 1.0) -> tuple[float, list[Interval]]:
+    """Time in [start, end] during which no island was inside an inner step while at least one
+    island was alive (up, frozen or not). Idle stretches shorter than ``min_gap`` seconds are the
+    ordinary bookkeeping between two steps of a lone island and do not count.
+    Returns (seconds, the idle intervals counted)."""
+    anyone_alive = clip(merge(i for intervals in alive.values() for i in intervals), start, end)
+    anyone_stepping = merge(i for intervals in steps.values() for i in intervals)
+    idle = [i for i in subtract(anyone_alive, anyone_stepping) if i[1] - i[0] >= min_gap]
+    return length(idle), idle
+
+
+def stall_after(steps: Sequence[Interval], at: float, window: float, baseline_gap: float) -> float:
+    """Extra inner-loop time an island lost in [at, at + window]: the time between its steps there
+    beyond ``baseline_gap`` per step boundary (its usual non-step time)."""
+    inside = [s for s in steps if at <= s[1] and s[0] <= at + window]
+    gaps = [b[0] - a[1] for a, b in zip(inside, inside[1:])]
+    return sum(max(0.0, gap - baseline_gap) for gap in gaps)
+
+
+def typical_gap(steps: Sequence[Interval]) -> float:
+    """A generous usual gap between two inner steps of one island: the 90th percentile (evals and
+    round bookkeeping are part of normal operation)."""
+    gaps = sorted(b[0] - a[1] for a, b in zip(steps, steps[1:]))
+    if not gaps:
+        return 0.0
+    return gaps[min(len(gaps) - 1, int(0.9 * len(gaps)))]
+
+
+@dataclass
+class RunFigures:
+    """The figures of one run (what the chaos report holds)."""
+
+    wall_seconds: float
+    islands: int
+    useful_seconds: float
+    goodput: float  # useful inner-step time / (islands x wall time)
+    alive_utilization: float  # useful inner-step time / time islands were up and not frozen
+    global_downtime: float
+    downtime_intervals: list[Interval] = field(default_factory=list)
+    stall_per_failure: list[dict] = field(default_factory=list)  # {fault, island, seconds}
+    rejoin_seconds: list[dict] = field(default_factory=list)  # {island, restarted, first_round, seconds}
+
+    def as_dict(self) -> dict:
+        stalls = [s["seconds"] for s in self.stall_per_failure]
+        return {
+            "wall_seconds": round(self.wall_seconds, 3),
+            "islands": self.islands,
+            "useful_seconds": round(self.useful_seconds, 3),
+            "goodput": round(self.goodput, 4),
+            "alive_utilization": round(self.alive_utilization, 4),
+            "global_downtime_seconds": round(self.global_downtime, 3),
+            "downtime_intervals": [[round(a, 3), round(b, 3)] for a, b in self.downtime_intervals],
+            "stall_per_failure": self.stall_per_failure,
+            "stall_seconds_median": round(statistics.median(stalls), 3) if stalls else None,
+            "stall_seconds_max": round(max(stalls), 3) if stalls else None,
+            "rejoin": self.rejoin_seconds,
+        }
+
+
+def run_figures(
+    events: Mapping[str, Sequence[dict]],
+    *,
+    start: float,
+    end: float,
+    alive: Mapping[str, Sequence[Interval]],
+    frozen: Mapping[str, Sequence[Interval]],
+    faults: Sequence[dict] = (),
+    stall_window: float = 10.0,
+) -> RunFigures:
+    """Goodput, alive utilization, global downtime, stall per failure and time to rejoin.
+
+    :param events: island -> its events (all of its lives, concatenated)
+    :param start, end: the measured span of the run
+    :param alive: island -> intervals its process ran (killed time excluded, frozen time included)
+    :param frozen: island -> intervals it was stopped by SIGSTOP
+    :param faults: ``{"t", "kind", "island"}`` for each kill or freeze; ``{"t", "kind": "restart",
+        "island"}`` for each restart (time to rejoin runs from it to the island's next contributed round)
+    :param stall_window: seconds after a fault in which the survivors' lost time is counted
+    """
+    steps = {name: clip(step_intervals(evs), start, end) for name, evs in events.items()}
+    useful = sum(length(s) for s in steps.values())
+    wall = end - start
+    running = sum(length(subtract(clip(alive.get(n, []), start, end), frozen.get(n, []))) for n in events)
+    downtime, idle = global_downtime(steps, alive, start, end)
+    stalls = []
+    for fault in faults:
+        if fault["kind"] not in ("kill", "freeze", "kill_bootstrap", "kill_donor"):
+            continue
+        for name, island_steps in steps.items():
+            if name == fault.get("island"):
+                continue
+            window_alive = clip(alive.get(name, []), fault["t"], fault["t"] + stall_window)
+            if length(window_alive) < stall_window * 0.99 or clip(frozen.get(name, []), fault["t"],
+                                                                 fault["t"] + stall_window):
+                continue  # not a survivor for this whole window
+            seconds = stall_after(island_steps, fault["t"], stall_window, typical_gap(island_steps))
+            stalls.append({"fault": fault["kind"], "t": round(fault["t"], 3), "island": name,
+                           "seconds": round(seconds, 3)})
+    rejoins = []
+    for fault in faults:
+        if fault["kind"] != "restart":
+            continue
+        rounds = [e for e in events.get(fault["island"], []) if e.get("event") == "round"
+                  and e.get("outcome") == "ok" and e.get("contributed") and e["t_end"] > fault["t"]]
+        first = min((e["t_end"] for e in rounds), default=None)
+        rejoins.append({"island": fault["island"], "restarted": round(fault["t"], 3),
+                        "first_round": round(first, 3) if first else None,
+                        "seconds": round(first - fault["t"], 3) if first else None})
+    islands = len(events)
+    return RunFigures(
+        wall_seconds=wall, islands=islands, useful_seconds=useful,
+        goodput=useful / (islands * wall) if islands and wall > 0 else 0.0,
+        alive_utilization=useful / running if running > 0 else 0.0,
+        global_downtime=downtime, downtime_intervals=idle, stall_per_failure=stalls, rejoin_seconds=rejoins,
+    )

@@ -1,0 +1,58 @@
+"""A reduced chaos schedule on the tiny preset: kill and restart, freeze, bootstrap death."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+
+from p2p_diloco.checkpoint import list_checkpoints, load_checkpoint
+from p2p_diloco.outer import all_finite
+from tests.integration.helpers import cli
+
+pytestmark = pytest.mark.integration
+
+SCHEDULE = """
+islands = 3
+minutes = 1.5
+period = 8.0
+checkpoint_every = 1000.0
+island_args = ["--eval-every", "20", "--eval-batches", "2", "--inner-warmup-steps", "10"]
+
+[[faults]]
+at = 10
+kind = "kill"
+island = "island-1"
+restart_after = 10
+
+[[faults]]
+at = 40
+kind = "freeze"
+island = "island-2"
+duration = 8
+
+[[faults]]
+at = 55
+kind = "kill_bootstrap"
+"""
+
+
+def test_reduced_chaos_schedule_keeps_training_and_heals(tmp_path):
+    schedule = tmp_path / "schedule.toml"
+    schedule.write_text(SCHEDULE)  # islands checkpoint into their own folders at exit: Theta can be inspected
+    done = cli("chaos", "--schedule", str(schedule), "--out", str(tmp_path / "run"), timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    report = json.loads((tmp_path / "run" / "report.json").read_text())
+    figures = report["figures"]
+    assert figures["global_downtime_seconds"] == 0
+    assert figures["stall_per_failure"] and figures["stall_seconds_max"] < 1.0
+    (rejoin,) = figures["rejoin"]
+    assert rejoin["island"] == "island-1" and rejoin["seconds"] is not None  # it contributes again
+    for name, losses in report["eval_loss"].items():
+        assert losses["last"] < losses["first"] - 1.0, name
+    assert (tmp_path / "run" / "timeline.png").read_bytes().startswith(b"\x89PNG")
+    for checkpoint_dir in (tmp_path / "run" / "checkpoints").iterdir():  # every island's final global parameters are finite
+        saved = load_checkpoint(list_checkpoints(checkpoint_dir)[0])
+        assert all(all_finite(f.theta) and all_finite(f.momentum) for f in saved.fragments)
+        assert all(math.isfinite(v) for v in saved.params["model.norm.weight"].flatten().tolist())

@@ -1,0 +1,59 @@
+"""Run figures from event logs, on hand-made timelines."""
+
+import pytest
+
+from p2p_diloco import figures
+
+
+def _steps(start, end, dt=0.5, gap=0.0):
+    events, t = [], start
+    while t + dt <= end + 1e-9:
+        t += dt
+        events.append({"event": "step", "t": t, "dt": dt})
+        t += gap
+    return events
+
+
+def test_interval_algebra():
+    assert figures.merge([(3, 4), (0, 1), (0.5, 2)]) == [(0, 2), (3, 4)]
+    assert figures.length([(0, 1), (0.5, 2), (5, 6)]) == 3
+    assert figures.subtract([(0, 10)], [(2, 3), (8, 12)]) == [(0, 2), (3, 8)]
+    assert figures.clip([(0, 5), (8, 9)], 4, 8.5) == [(4, 5), (8, 8.5)]
+
+
+def test_a_fault_free_run_has_full_goodput_and_no_downtime():
+    events = {"a": _steps(0, 100), "b": _steps(0, 100)}
+    alive = {"a": [(0, 100)], "b": [(0, 100)]}
+    result = figures.run_figures(events, start=0, end=100, alive=alive, frozen={})
+    assert result.goodput == pytest.approx(1.0) and result.alive_utilization == pytest.approx(1.0)
+    assert result.global_downtime == 0
+
+
+def test_a_killed_island_costs_goodput_not_alive_utilization():
+    events = {"a": _steps(0, 100), "b": _steps(0, 40) + _steps(60, 100)}  # b down from 40 to 60
+    alive = {"a": [(0, 100)], "b": [(0, 40), (60, 100)]}
+    faults = [{"t": 40, "kind": "kill", "island": "b"}, {"t": 60, "kind": "restart", "island": "b"}]
+    events["b"].append({"event": "round", "outcome": "ok", "contributed": True, "t_end": 72.5})
+    result = figures.run_figures(events, start=0, end=100, alive=alive, frozen={}, faults=faults)
+    assert result.goodput == pytest.approx(0.9)
+    assert result.alive_utilization == pytest.approx(1.0)
+    assert result.global_downtime == 0  # a kept training
+    assert result.stall_per_failure == [{"fault": "kill", "t": 40, "island": "a", "seconds": 0.0}]
+    assert result.rejoin_seconds[0]["seconds"] == pytest.approx(12.5)
+
+
+def test_a_pause_of_every_island_is_global_downtime_and_a_survivor_stall():
+    a = _steps(0, 50) + _steps(53, 100)  # a stops for 3 s after b is killed at 50
+    events = {"a": a, "b": _steps(0, 50)}
+    alive = {"a": [(0, 100)], "b": [(0, 50)]}
+    result = figures.run_figures(events, start=0, end=100, alive=alive, frozen={},
+                                 faults=[{"t": 50, "kind": "kill", "island": "b"}])
+    assert result.global_downtime == pytest.approx(3.0)
+    assert result.stall_per_failure[0]["seconds"] == pytest.approx(3.0)
+
+
+def test_frozen_time_is_not_counted_against_alive_utilization():
+    events = {"a": _steps(0, 30) + _steps(40, 100)}
+    result = figures.run_figures(events, start=0, end=100, alive={"a": [(0, 100)]}, frozen={"a": [(30, 40)]})
+    assert result.alive_utilization == pytest.approx(1.0) and result.goodput == pytest.approx(0.9)
+    assert result.global_downtime == pytest.approx(10.0)  # the only island was frozen: nobody trained
