@@ -39,10 +39,11 @@ class Fault(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     at: float = Field(ge=0.0, description="seconds after every island trains")
-    kind: Literal["kill", "freeze", "kill_bootstrap"]
-    island: str = Field("", description="the island (kill, freeze)")
+    kind: Literal["kill", "freeze", "kill_bootstrap", "corrupt"]
+    island: str = Field("", description="the island (kill, freeze, corrupt)")
     restart_after: Optional[float] = Field(None, gt=0.0, description="kill: restart this many seconds later")
     duration: float = Field(10.0, gt=0.0, description="freeze: seconds until SIGCONT")
+    value: Literal["nan", "inf", "huge"] = Field("nan", description="corrupt: what the faulty island sends")
 
 
 class ChaosConfig(BaseModel):
@@ -87,7 +88,7 @@ def load_schedule(path: str) -> ChaosConfig:
         raise ConfigError(f"schedule {path}: {format_validation_error(e)}") from None
     names = {f"island-{i}" for i in range(config.islands)}
     for fault in config.faults:
-        if fault.kind in ("kill", "freeze") and fault.island not in names:
+        if fault.kind in ("kill", "freeze", "corrupt") and fault.island not in names:
             raise ConfigError(f"schedule {path}: fault at {fault.at} s names island {fault.island!r}, "
                               f"expected one of {', '.join(sorted(names))}")
     return config
@@ -126,8 +127,9 @@ class ChaosRun:
         """Island ``index``'s own checkpoint folder (used when the schedule sets checkpoint_every)."""
         return self.out / "checkpoints" / f"island-{index}"
 
-    def _start(self, name: str, initial_peers: Optional[list[str]] = None) -> None:
-        self.swarm.start_island(name, *self.island_args(self.names.index(name)), initial_peers=initial_peers)
+    def _start(self, name: str, initial_peers: Optional[list[str]] = None, extra: tuple[str, ...] = ()) -> None:
+        self.swarm.start_island(name, *self.island_args(self.names.index(name)), *extra,
+                                initial_peers=initial_peers)
         self.alive[name].append([time.time(), float("inf")])
 
     def _live_peers(self) -> list[str]:
@@ -203,6 +205,13 @@ class ChaosRun:
             self.frozen[name][-1][1] = time.time()
             self._record("thaw", name)
             return None
+        if kind == "corrupt":  # the island turns faulty: it restarts sending garbage pseudo-gradients
+            self.swarm.islands[name].signal(signal.SIGKILL)
+            self.swarm.islands[name].popen.wait(10)
+            self.alive[name][-1][1] = time.time()
+            self._start(name, initial_peers=self._live_peers(), extra=("--debug-corrupt-outer", fault["value"]))
+            self._record("corrupt", name, value=fault["value"])
+            return None
         if kind == "kill_bootstrap":
             self.swarm.bootstrap.signal(signal.SIGKILL)
             self._record("kill_bootstrap")
@@ -243,6 +252,8 @@ class ChaosRun:
         frozen = {n: [tuple(s) for s in spans] for n, spans in self.frozen.items()}
         figures = run_figures(events, start=self.t0, end=end, alive=alive, frozen=frozen, faults=self.faults)
         rounds = {name: _count_outcomes(evs) for name, evs in events.items()}
+        flagged = {name: sorted({c for e in evs if e.get("outcome") == "rejected" for c in e.get("culprits", [])})
+                   for name, evs in events.items()}
         evals = {name: [e["eval_loss"] for e in evs if e.get("event") == "eval"] for name, evs in events.items()}
         report = {
             "schedule": self.config.model_dump(),
@@ -250,6 +261,7 @@ class ChaosRun:
             "faults": self.faults,
             "figures": figures.as_dict(),
             "rounds": rounds,
+            "flagged": flagged,
             "eval_loss": {name: {"first": v[0] if v else None, "last": v[-1] if v else None}
                           for name, v in evals.items()},
         }

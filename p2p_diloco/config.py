@@ -149,6 +149,9 @@ class PeerConfig(_Section):
     )
     checkpoint_every: float = Field(300.0, gt=0.0, description="seconds between checkpoints (one more at exit)")
     checkpoint_keep: int = Field(3, ge=1, description="how many checkpoints to keep")
+    debug_corrupt_outer: Literal["", "nan", "inf", "huge"] = Field(
+        "", description="testing only: send NaN, Inf or 1e30 pseudo-gradients, as a faulty island would"
+    )
     model: ModelConfig = Field(default_factory=ModelConfig)
     data: DataConfig = Field(default_factory=DataConfig)
     inner: InnerConfig = Field(default_factory=InnerConfig)

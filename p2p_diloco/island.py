@@ -69,9 +69,9 @@ class Reporter:
         """Start the background thread."""
         self._thread.start()
 
-    def swarm_bases(self) -> list[tuple[list[int], list[str]]]:
-        """(fragment versions, fragment hashes) of the other live, training islands of this run."""
-        return [(r.fragment_versions, r.fragment_hashes) for r in self.others
+    def swarm_bases(self) -> list[tuple[str, list[int], list[str]]]:
+        """(island, fragment versions, fragment hashes) of the other live, training islands of this run."""
+        return [(r.island, r.fragment_versions, r.fragment_hashes) for r in self.others
                 if r.state == "training" and r.fingerprint == self.fingerprint]
 
     def _loop(self) -> None:
@@ -232,8 +232,10 @@ class Island:
             self.syncer = Syncer(
                 run_id=config.run_id, fingerprint=self.fingerprint, island=config.island, config=config.outer,
                 layout=self.layout, shapes=self.shapes, learner=self.learner, events=self.events,
-                swarm_bases=lambda: self.reporter.swarm_bases(),
+                swarm_bases=lambda: self.reporter.swarm_bases(), corrupt=config.debug_corrupt_outer,
             )
+            if config.debug_corrupt_outer:
+                logger.warning("testing mode: this island sends %s pseudo-gradients", config.debug_corrupt_outer)
             try:
                 self.syncer.create_averagers(self.dht)  # processes forked from the main thread
             finally:
@@ -380,7 +382,8 @@ class Island:
             tokens_per_second=float(learner.tokens_per_second()),
             loss=_finite_or_none(stats.loss_ema), eval_loss=_finite_or_none(stats.eval_loss),
             fragment_versions=self.syncer.versions, fragment_hashes=self.syncer.hashes,
-            rounds_ok=sync.rounds_ok, rounds_failed=sync.rounds_failed,
+            rounds_ok=sync.rounds_ok, rounds_failed=sync.rounds_failed, rounds_rejected=sync.rounds_rejected,
+            flagged=sorted(self.syncer.flagged),
             bytes_sent=sync.bytes_sent, bytes_received=sync.bytes_received,
             utilization=float(stats.utilization),
             goodput=float(min(1.0, stats.inner_time / max(1e-9, time.time() - self.launched))),
@@ -428,6 +431,8 @@ def make_summary(island: Island, stop_reason: str) -> dict:
         "outer_rounds_ok": sync.rounds_ok,
         "outer_rounds_failed": sync.rounds_failed,
         "outer_rounds_skipped": sync.rounds_skipped,
+        "outer_rounds_rejected": sync.rounds_rejected,
+        "flagged_islands": sorted(island.syncer.flagged),
         "group_sizes": {str(k): v for k, v in sorted(Counter(sync.group_sizes).items())},
         "state_downloads": sync.reloads,
         "fragment_versions": island.syncer.versions,

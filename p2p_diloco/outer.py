@@ -159,6 +159,35 @@ def encode_for_wire(delta: Tensors, out: Tensors, offset: float) -> None:
         torch.add(source, offset, out=target)
 
 
+def wire_bound(max_delta: float, offset: float) -> float:
+    """The largest |merged pseudo-gradient| honest members can produce: max_delta plus rounding."""
+    return max_delta * (1.0 + 1e-6) + 8.0 * offset * 2.0**-24
+
+
+@torch.no_grad()
+def max_abs_sent(wire: Tensors, offset: float) -> float:
+    """max |y - C| over what a member put on the wire (NaN or Inf if it sent such values)."""
+    values = [float((tensor - offset).abs().max()) for tensor in wire if tensor.numel()]
+    if any(math.isnan(v) for v in values):
+        return float("nan")
+    return max(values, default=0.0)
+
+
+@torch.no_grad()
+def within_bound(tensors: Tensors, bound: float) -> bool:
+    """True when every element is finite and within [-bound, bound]: a merged pseudo-gradient that
+    is not could only come from a member that sent garbage (NaN, Inf, unclipped huge values)."""
+    return all(bool(torch.isfinite(t).all()) and (t.numel() == 0 or float(t.abs().max()) <= bound) for t in tensors)
+
+
+@torch.no_grad()
+def corrupt_(wire: Tensors, kind: str) -> None:
+    """Testing only: overwrite what goes on the wire with NaN, Inf or 1e30, as a faulty island would."""
+    value = {"nan": float("nan"), "inf": float("inf"), "huge": 1e30}[kind]
+    for tensor in wire:
+        tensor.fill_(value)
+
+
 @torch.no_grad()
 def decode_from_wire(averaged: Tensors, offset: float) -> list[torch.Tensor]:
     """The merged pseudo-gradient avg - C (exact, by the same argument as :func:`encode_for_wire`)."""

@@ -39,6 +39,8 @@ class IslandProgress(BaseModel):
     fragment_hashes: List[StrictStr]
     rounds_ok: Count
     rounds_failed: Count
+    rounds_rejected: Count  # results refused because a member sent garbage
+    flagged: List[StrictStr]  # islands this one caught sending garbage
     bytes_sent: Count
     bytes_received: Count
     utilization: confloat(ge=0.0, le=1.0, strict=True)  # time in inner steps / wall time since first step

@@ -26,6 +26,7 @@ def swarm_snapshot(records: list[IslandProgress], run_id: str, now: float | None
         "rounds_failed": sum(r.rounds_failed for r in records),
         "mean_utilization": round(sum(r.utilization for r in training) / len(training), 4) if training else None,
         "bytes_sent": sum(r.bytes_sent for r in records),
+        "flagged": sorted({name for r in records for name in r.flagged}),
     }
     return {"run_id": run_id, "time": now, "islands": islands, "totals": totals}
 
@@ -38,20 +39,23 @@ def render_table(snapshot: dict):
         return "-" if value is None else pattern.format(value)
 
     totals = snapshot["totals"]
+    flagged = f"; flagged as faulty: {', '.join(totals['flagged'])}" if totals["flagged"] else ""
     table = Table(
         title=f"run {snapshot['run_id']}: {totals['islands']} islands, {totals['tokens'] / 1e6:.2f}M tokens, "
-        f"{totals['tokens_per_second']:,.0f} tok/s, rounds {totals['rounds_ok']} ok/{totals['rounds_failed']} failed",
+        f"{totals['tokens_per_second']:,.0f} tok/s, rounds {totals['rounds_ok']} ok/{totals['rounds_failed']} failed"
+        f"{flagged}",
         title_justify="left",
     )
     for column in ("island", "peer id", "device", "state", "step", "tokens", "tok/s", "loss", "eval",
-                   "versions", "rounds ok/failed", "util", "last seen"):
-        table.add_column(column, justify="left" if column in ("island", "peer id", "device", "state") else "right")
+                   "versions", "rounds ok/failed", "util", "last seen", "flagged"):
+        table.add_column(column, justify="left" if column in ("island", "peer id", "device", "state", "flagged")
+                         else "right")
     for r in snapshot["islands"]:
         table.add_row(
             r["island"], "…" + r["peer_id"][-8:], r["device"], r["state"], str(r["inner_step"]),
             f"{r['tokens'] / 1e6:.2f}M", f"{r['tokens_per_second']:,.0f}", fmt(r["loss"]), fmt(r["eval_loss"]),
             ",".join(map(str, r["fragment_versions"])), f"{r['rounds_ok']}/{r['rounds_failed']}",
-            f"{r['utilization']:.3f}", f"{r['last_seen_s']:.0f}s",
+            f"{r['utilization']:.3f}", f"{r['last_seen_s']:.0f}s", ",".join(r["flagged"]) or "-",
         )
     return table
 

@@ -15,7 +15,9 @@ anywhere); hivemind's fetch thread calls :meth:`Syncer._donate` when a peer down
 
 from __future__ import annotations
 
+import hashlib
 import logging
+import math
 import threading
 import time
 from concurrent.futures import TimeoutError as FutureTimeout
@@ -97,7 +99,8 @@ class SyncerStats:
 
     rounds_ok: int = 0  # rounds that formed a group of 2+ and averaged
     rounds_failed: int = 0  # rounds that fell back to the island's own pseudo-gradient
-    rounds_skipped: int = 0  # slots missed: no snapshot in time, behind the swarm, NaN/Inf
+    rounds_skipped: int = 0  # slots missed: no snapshot in time, NaN/Inf
+    rounds_rejected: int = 0  # rounds whose result was invalid (a member sent garbage): not applied
     reloads: int = 0  # fragments downloaded from peers
     bytes_sent: int = 0  # all-reduce payload and state served, bytes
     bytes_received: int = 0  # all-reduce payload and state downloaded, bytes
@@ -105,7 +108,7 @@ class SyncerStats:
     group_sizes: list[int] = field(default_factory=list)
 
 
-SwarmBases = Callable[[], list[tuple[list[int], list[str]]]]
+SwarmBases = Callable[[], list[tuple[str, list[int], list[str]]]]  # (island, versions, hashes)
 
 
 class Syncer:
@@ -119,7 +122,9 @@ class Syncer:
     :param shapes: ``shapes[p]`` are the parameter shapes of fragment p, in layout order
     :param learner: gives snapshots and takes updates
     :param events: callable taking an event dict (the island's JSONL log)
-    :param swarm_bases: (fragment versions, fragment hashes) reported by the other live islands
+    :param swarm_bases: (island, fragment versions, fragment hashes) reported by the other live islands
+    :param corrupt: testing only: "nan", "inf" or "huge" makes this island send garbage, as a faulty
+        island would, to check that the others reject it
     """
 
     def __init__(
@@ -134,12 +139,15 @@ class Syncer:
         learner: LearnerLink,
         events: Callable[[dict], None],
         swarm_bases: SwarmBases,
+        corrupt: str = "",
     ):
         self.run_id, self.fingerprint, self.island, self.config = run_id, fingerprint, island, config
         self.layout, self.shapes, self.learner = layout, [list(s) for s in shapes], learner
-        self.events, self.swarm_bases = events, swarm_bases
+        self.events, self.swarm_bases, self.corrupt = events, swarm_bases, corrupt
         self.clock = RoundClock(config.period, layout.num_fragments)
         self.offset = outer.wire_offset(config.max_delta)
+        self.bound = outer.wire_bound(config.max_delta, self.offset)
+        self.flagged: dict[str, float] = {}  # islands caught sending garbage -> when
         self.stats = SyncerStats()
         self.states: list[Optional[FragmentState]] = [None] * layout.num_fragments
         self.averagers: list = []
@@ -392,8 +400,8 @@ class Syncer:
         whose gathered metadata is the same for every member.
         """
         bases = [(state.version, state.hash)]
-        for versions, hashes in self.swarm_bases():
-            if len(versions) > p and len(hashes) > p and hashes[p]:
+        for island, versions, hashes in self.swarm_bases():
+            if island not in self.flagged and len(versions) > p and len(hashes) > p and hashes[p]:
                 bases.append((versions[p], hashes[p]))
         newest = max(version for version, _ in bases)
         counts: dict[tuple[int, str], int] = {}
@@ -454,8 +462,12 @@ class Syncer:
         averager = self.averagers[p]
         with averager.get_tensors() as wire:
             outer.encode_for_wire(delta, wire, self.offset)
+            if self.corrupt:
+                outer.corrupt_(wire, self.corrupt)
+            sent_max = outer.max_abs_sent(wire, self.offset)
         gather = dict(island=self.island, version=state.version, hash=state.hash, weight=weight,
-                      tokens=snapshot.tokens, steps=snapshot.steps)
+                      tokens=snapshot.tokens, steps=snapshot.steps, delta_max=sent_max)
+        self._keep_away_from_flagged(averager)
         grace = cfg.grace_window if cfg.quorum > 1 else 0.0
         deadline = slot.time + max(grace, cfg.request_timeout)
         gathered = self._all_reduce(averager, gather, weight, slot.time, deadline)
@@ -472,6 +484,9 @@ class Syncer:
         if gathered is not None and len(members) >= 2:
             with averager.get_tensors() as wire:
                 merged = outer.decode_from_wire(wire, self.offset)
+            if not outer.within_bound(merged, self.bound):
+                self._reject(members, event)
+                return
             new_state = self._apply_group_result(p, state, members, merged, delta, event)
         else:
             new_state = self._stepped(state, delta, state.version + 1, 1)
@@ -508,6 +523,32 @@ class Syncer:
         event["reloaded"] = fresh is not None
         # without a donor, keep training on our own fork: the next round's base check heals it
         return fresh if fresh is not None else self._stepped(state, merged, new_version, 1)
+
+    def _reject(self, members: list[dict], event: dict) -> None:
+        """A member sent NaN, Inf or unclipped values: the round's result is not applied by anyone
+        (every member sees the same result and decides alike, so their Theta stay identical and no
+        inner progress is lost: it goes into the next round). Members whose own report of what they
+        sent is out of bounds are flagged and kept out of our later rounds."""
+        culprits = sorted(m["island"] for m in members if m["island"] != self.island
+                          and not _reported_within(m.get("delta_max"), self.bound))
+        for island in culprits:
+            if island not in self.flagged:
+                logger.error("island %s sent an invalid pseudo-gradient: flagged, its rounds are avoided", island)
+                self.flagged[island] = time.time()
+        self._bump("rounds_rejected")
+        self.events(event | {"outcome": "rejected", "group_size": len(members), "culprits": culprits,
+                             "members": sorted(m["island"] for m in members), "t_end": time.time()})
+
+    def _keep_away_from_flagged(self, averager) -> None:
+        """Meet only islands that flagged the same ones: the group key gets bits derived from the
+        flagged names (hivemind changes non-empty bits after each round, so they are set every time)."""
+        if not self.flagged:
+            return
+        digest = hashlib.sha256("|".join(sorted(self.flagged)).encode()).digest()
+        try:
+            averager.set_group_bits(format(digest[0], "08b"))
+        except Exception as e:
+            logger.debug("could not set group bits: %r", e)
 
     def _recover_from_nonfinite(self, p: int, state: FragmentState, event: dict) -> None:
         """The island's own parameters went NaN/Inf: never send them; replace them by the global ones
@@ -580,6 +621,10 @@ class Syncer:
     def _bump(self, counter: str) -> None:
         with self._stats_lock:
             setattr(self.stats, counter, getattr(self.stats, counter) + 1)
+
+
+def _reported_within(value, bound: float) -> bool:
+    return isinstance(value, (int, float)) and math.isfinite(value) and abs(value) <= bound
 
 
 def _valid_member(member) -> bool:

@@ -1,4 +1,4 @@
-"""A reduced chaos schedule on the tiny preset: kill and restart, freeze, bootstrap death."""
+"""A reduced chaos schedule on the tiny preset: kill and restart, a faulty island, freeze, bootstrap death."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import pytest
 
 from p2p_diloco.checkpoint import list_checkpoints, load_checkpoint
 from p2p_diloco.outer import all_finite
-from tests.integration.helpers import cli
+from tests.integration.helpers import cli, events_of
 
 pytestmark = pytest.mark.integration
 
@@ -25,6 +25,12 @@ at = 10
 kind = "kill"
 island = "island-1"
 restart_after = 10
+
+[[faults]]
+at = 25
+kind = "corrupt"
+island = "island-0"
+value = "nan"
 
 [[faults]]
 at = 40
@@ -51,6 +57,13 @@ def test_reduced_chaos_schedule_keeps_training_and_heals(tmp_path):
     assert rejoin["island"] == "island-1" and rejoin["seconds"] is not None  # it contributes again
     for name, losses in report["eval_loss"].items():
         assert losses["last"] < losses["first"] - 1.0, name
+    # the faulty island is caught by the others and kept out of their rounds from then on
+    assert report["flagged"]["island-1"] == report["flagged"]["island-2"] == ["island-0"]
+    assert report["flagged"]["island-0"] == []
+    for name in ("island-1", "island-2"):
+        rounds = [e for e in events_of(tmp_path / "run" / f"{name}.events.jsonl", "round")]
+        caught = min(e["t_end"] for e in rounds if e["outcome"] == "rejected")
+        assert all("island-0" not in e["members"] for e in rounds if e["outcome"] == "ok" and e["t_start"] > caught)
     assert (tmp_path / "run" / "timeline.png").read_bytes().startswith(b"\x89PNG")
     for checkpoint_dir in (tmp_path / "run" / "checkpoints").iterdir():  # every island's final global parameters are finite
         saved = load_checkpoint(list_checkpoints(checkpoint_dir)[0])

@@ -16,7 +16,7 @@ def _record(**overrides):
     fields = dict(
         island="i0", peer_id="12D3KooW", fingerprint="abc", device="cpu", state="training", maddrs=["/ip4/x"],
         inner_step=3, tokens=100, tokens_per_second=10.0, loss=5.0, eval_loss=None, fragment_versions=[1, 2],
-        fragment_hashes=["a", "b"], rounds_ok=1, rounds_failed=0, bytes_sent=10, bytes_received=10,
+        fragment_hashes=["a", "b"], rounds_ok=1, rounds_failed=0, rounds_rejected=0, flagged=[], bytes_sent=10, bytes_received=10,
         utilization=0.99, goodput=0.9, started=1.0, time=time.time(),
     )
     return IslandProgress(**(fields | overrides))

@@ -6,6 +6,7 @@ import contextlib
 import threading
 import time
 
+import pytest
 import torch
 
 from p2p_diloco import outer
@@ -79,6 +80,10 @@ class FakeAverager:
         self.buffers = syncer.buffers[0]
         self.state_sharing_priority = 0.0
         self.allow_state_sharing = False
+        self.group_bits = ""
+
+    def set_group_bits(self, bits, wait=True):
+        self.group_bits = bits
 
     def is_alive(self):
         return True
@@ -105,11 +110,11 @@ class FakeLearner:
         self.updates.append(update)
 
 
-def _syncer(name, theta, local, bases=lambda: []):
+def _syncer(name, theta, local, bases=lambda: [], corrupt=""):
     learner = FakeLearner(local)
     events: list[dict] = []
     syncer = Syncer(run_id="r", fingerprint="f" * 16, island=name, config=CONFIG, layout=LAYOUT, shapes=SHAPES,
-                    learner=learner, events=events.append, swarm_bases=bases)
+                    learner=learner, events=events.append, swarm_bases=bases, corrupt=corrupt)
     syncer.initialize([theta])
     return syncer, learner, events
 
@@ -182,7 +187,7 @@ def test_an_island_behind_the_swarm_reloads_before_contributing():
     theta = _params(0)
     donor, _, _ = _syncer("d", theta, theta)
     donor._publish(0, donor._stepped(donor.states[0], _params(5, 0.01), version=3, support=2))
-    swarm = [([3], [donor.states[0].hash]), ([3], [donor.states[0].hash])]
+    swarm = [("d", [3], [donor.states[0].hash]), ("e", [3], [donor.states[0].hash])]
     lagging, learner, events = _syncer("l", theta, theta, bases=lambda: swarm)
     group = FakeGroup(1, fail=True)
     lagging.averagers = [FakeAverager(lagging, group, donor=donor)]
@@ -199,7 +204,7 @@ def test_an_island_behind_the_swarm_reloads_before_contributing():
 def test_an_island_that_cannot_reload_still_takes_part():
     """A swarm that looks newer but serves nothing must not make us skip rounds forever."""
     theta = _params(0)
-    lagging, _, events = _syncer("l", theta, theta, bases=lambda: [([3], ["x" * 16]), ([3], ["x" * 16])])
+    lagging, _, events = _syncer("l", theta, theta, bases=lambda: [("d", [3], ["x" * 16]), ("e", [3], ["x" * 16])])
     group = FakeGroup(1, fail=True)
     lagging.averagers = [FakeAverager(lagging, group, donor=None)]
     _round(lagging)
@@ -209,12 +214,14 @@ def test_an_island_that_cannot_reload_still_takes_part():
 
 def test_a_tie_between_forks_is_left_to_the_round():
     theta = _params(0)
-    a, _, events = _syncer("a", theta, theta, bases=lambda: [([0], ["f" * 16])])  # one other island, another fork
+    a, _, events = _syncer("a", theta, theta, bases=lambda: [("d", [0], ["f" * 16])])  # one other island, another fork
     group = FakeGroup(1, fail=True)
     a.averagers = [FakeAverager(a, group)]
     assert a._repair_target(0, a.states[0]) is None
-    b, _, _ = _syncer("b", theta, theta, bases=lambda: [([0], ["f" * 16]), ([0], ["f" * 16])])  # a majority
+    b, _, _ = _syncer("b", theta, theta, bases=lambda: [("d", [0], ["f" * 16]), ("e", [0], ["f" * 16])])  # a majority
     assert b._repair_target(0, b.states[0]) == (0, "f" * 16)
+    b.flagged = {"d": 0.0}  # a flagged island's word does not count
+    assert b._repair_target(0, b.states[0]) is None
 
 
 def test_stopping_mid_round_is_not_a_failed_round():
@@ -248,3 +255,26 @@ def test_donated_state_is_a_copy():
     metadata, tensors = a._donate(0)
     assert metadata["version"] == 0 and metadata["hash"] == a.states[0].hash
     assert all(t.data_ptr() != s.data_ptr() for t, s in zip(tensors, a.states[0].theta + a.states[0].momentum))
+
+
+@pytest.mark.parametrize("garbage", ["nan", "inf", "huge"])
+def test_a_member_sending_garbage_is_rejected_flagged_and_avoided(garbage):
+    theta = _params(0)
+    honest = [_syncer(name, theta, [t - 0.01 for t in theta]) for name in ("a", "b")]
+    faulty = _syncer("x", theta, [t - 0.01 for t in theta], corrupt=garbage)
+    group = FakeGroup(3)
+    for syncer, _, _ in honest + [faulty]:
+        syncer.averagers = [FakeAverager(syncer, group)]
+    _round(*(s for s, _, _ in honest + [faulty]))
+    for syncer, learner, events in honest:
+        assert events[-1]["outcome"] == "rejected" and events[-1]["culprits"] == ["x"]
+        assert syncer.versions == [0] and syncer.states[0].hash == honest[0][0].states[0].hash  # nothing applied
+        assert outer.all_finite(syncer.states[0].theta) and not learner.updates
+        assert list(syncer.flagged) == ["x"] and syncer.stats.rounds_rejected == 1
+    assert faulty[2][-1]["outcome"] == "rejected" and faulty[2][-1]["culprits"] == []  # it blames nobody
+    # the next round: the honest islands change their group key, the faulty one does not
+    for syncer, _, _ in honest + [faulty]:
+        syncer.averagers = [FakeAverager(syncer, FakeGroup(1, fail=True))]
+    _round(*(s for s, _, _ in honest + [faulty]))
+    bits = {s.averagers[0].group_bits for s, _, _ in honest}
+    assert len(bits) == 1 and bits != {""} and faulty[0].averagers[0].group_bits == ""
