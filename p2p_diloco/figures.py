@@ -69,18 +69,28 @@ def global_downtime(steps: Mapping[str, Sequence[Interval]], alive: Mapping[str,
     return length(idle), idle
 
 
-def stall_after(steps: Sequence[Interval], at: float, window: float, baseline_gap: float) -> float:
+def eval_intervals(events: Iterable[dict]) -> list[Interval]:
+    """The held-out evaluations of one island's events (they are normal work, not a stall)."""
+    return [(e["t"] - e.get("dt", 0.0), e["t"]) for e in events if e.get("event") == "eval"]
+
+
+def _gaps(steps: Sequence[Interval], evals: Sequence[Interval]) -> list[float]:
+    """Time between consecutive steps, minus any evaluation inside it."""
+    return [max(0.0, b[0] - a[1] - length(clip(evals, a[1], b[0]))) for a, b in zip(steps, steps[1:])]
+
+
+def stall_after(steps: Sequence[Interval], at: float, window: float, baseline_gap: float,
+                evals: Sequence[Interval] = ()) -> float:
     """Extra inner-loop time an island lost in [at, at + window]: the time between its steps there
-    beyond ``baseline_gap`` per step boundary (its usual non-step time)."""
+    (evaluations excluded) beyond ``baseline_gap`` per step boundary (its usual non-step time)."""
     inside = [s for s in steps if at <= s[1] and s[0] <= at + window]
-    gaps = [b[0] - a[1] for a, b in zip(inside, inside[1:])]
-    return sum(max(0.0, gap - baseline_gap) for gap in gaps)
+    return sum(max(0.0, gap - baseline_gap) for gap in _gaps(inside, evals))
 
 
-def typical_gap(steps: Sequence[Interval]) -> float:
-    """A generous usual gap between two inner steps of one island: the 90th percentile (evals and
-    round bookkeeping are part of normal operation)."""
-    gaps = sorted(b[0] - a[1] for a, b in zip(steps, steps[1:]))
+def typical_gap(steps: Sequence[Interval], evals: Sequence[Interval] = ()) -> float:
+    """A generous usual gap between two inner steps of one island (evaluations excluded): the 90th
+    percentile, since round bookkeeping at step boundaries is part of normal operation."""
+    gaps = sorted(_gaps(steps, evals))
     if not gaps:
         return 0.0
     return gaps[min(len(gaps) - 1, int(0.9 * len(gaps)))]
@@ -153,7 +163,8 @@ def run_figures(
             if length(window_alive) < stall_window * 0.99 or clip(frozen.get(name, []), fault["t"],
                                                                  fault["t"] + stall_window):
                 continue  # not a survivor for this whole window
-            seconds = stall_after(island_steps, fault["t"], stall_window, typical_gap(island_steps))
+            evals = eval_intervals(events[name])
+            seconds = stall_after(island_steps, fault["t"], stall_window, typical_gap(island_steps, evals), evals)
             stalls.append({"fault": fault["kind"], "t": round(fault["t"], 3), "island": name,
                            "seconds": round(seconds, 3)})
     rejoins = []

@@ -249,6 +249,7 @@ class Learner:
         update applied for such a snapshot changes the parameters mid-eval)."""
         was_training = self.model.training
         self.model.eval()
+        started = time.time()
         total = 0.0
         for batch in self.eval_data:
             total += float(self._loss(batch))
@@ -258,7 +259,8 @@ class Learner:
         self.stats.eval_loss = value
         if self.stats.eval_loss_first is None:
             self.stats.eval_loss_first = value
-        self.events({"event": "eval", "step": self.stats.inner_steps, "tokens": self.stats.tokens, "eval_loss": value})
+        self.events({"event": "eval", "step": self.stats.inner_steps, "tokens": self.stats.tokens, "eval_loss": value,
+                     "dt": time.time() - started})
         return value
 
     def run(self, stop: threading.Event, *, max_steps: int = 0, max_seconds: float = 0.0,

@@ -57,3 +57,12 @@ def test_frozen_time_is_not_counted_against_alive_utilization():
     result = figures.run_figures(events, start=0, end=100, alive={"a": [(0, 100)]}, frozen={"a": [(30, 40)]})
     assert result.alive_utilization == pytest.approx(1.0) and result.goodput == pytest.approx(0.9)
     assert result.global_downtime == pytest.approx(10.0)  # the only island was frozen: nobody trained
+
+
+def test_an_evaluation_is_not_a_stall():
+    a = _steps(0, 50) + _steps(51.5, 100)
+    a.append({"event": "eval", "t": 51.5, "dt": 1.5})  # 1.5 s of eval right after the fault
+    result = figures.run_figures({"a": a, "b": _steps(0, 50)}, start=0, end=100,
+                                 alive={"a": [(0, 100)], "b": [(0, 50)]}, frozen={},
+                                 faults=[{"t": 50, "kind": "kill", "island": "b"}])
+    assert result.stall_per_failure[0]["seconds"] == 0.0
