@@ -8,7 +8,11 @@ failure, time to rejoin, rounds, eval losses) and ``timeline.png``, next to ever
 Faults: ``kill`` (SIGKILL an island; ``restart_after`` seconds later it restarts with the same
 identity), ``freeze`` (SIGSTOP the island's whole process tree for ``duration`` seconds, then
 SIGCONT: a straggler), ``kill_bootstrap`` (the islands keep training and a restarted island joins
-through a live island's address).
+through a live island's address), ``kill_donor`` (the island restarts, and whichever island serves
+its state download is SIGKILLed mid-download: the joiner fails over to another donor), ``corrupt``
+(the island restarts sending NaN, Inf or 1e30 pseudo-gradients), and, with ``network = "netns"``
+(each island in its own network namespace, see :mod:`p2p_diloco.netns`), ``cut`` (the island's link
+goes down for ``duration`` seconds) and ``throttle`` (its link is limited to ``rate`` with tc tbf).
 """
 
 from __future__ import annotations
@@ -39,11 +43,14 @@ class Fault(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     at: float = Field(ge=0.0, description="seconds after every island trains")
-    kind: Literal["kill", "freeze", "kill_bootstrap", "corrupt"]
-    island: str = Field("", description="the island (kill, freeze, corrupt)")
-    restart_after: Optional[float] = Field(None, gt=0.0, description="kill: restart this many seconds later")
-    duration: float = Field(10.0, gt=0.0, description="freeze: seconds until SIGCONT")
+    kind: Literal["kill", "freeze", "kill_bootstrap", "kill_donor", "corrupt", "cut", "throttle"]
+    island: str = Field("", description="the island (every kind but kill_bootstrap; kill_donor: the joiner)")
+    restart_after: Optional[float] = Field(
+        None, gt=0.0, description="kill: restart the island this many seconds later; kill_donor: the donor"
+    )
+    duration: float = Field(10.0, gt=0.0, description="freeze, cut, throttle: seconds until it ends")
     value: Literal["nan", "inf", "huge"] = Field("nan", description="corrupt: what the faulty island sends")
+    rate: str = Field("20mbit", pattern=r"^[0-9.]+[kmg]?bit$", description="throttle: tc rate, e.g. 20mbit")
 
 
 class ChaosConfig(BaseModel):
@@ -61,6 +68,14 @@ class ChaosConfig(BaseModel):
     island_args: list[str] = Field(default_factory=list, description="extra flags for every island")
     checkpoint_every: Optional[float] = Field(
         None, gt=0.0, description="give each island its own checkpoint folder, saved this often (seconds)"
+    )
+    network: Literal["loopback", "netns"] = Field(
+        "loopback", description="netns: each island in its own network namespace (root; needed by cut/throttle)"
+    )
+    donate_delay: float = Field(
+        0.6, ge=0.0, le=5.0,
+        description="with kill_donor faults: seconds every donor waits before serving a download, so the "
+        "runner can kill it mid-download",
     )
     faults: list[Fault] = Field(default_factory=list)
 
@@ -88,9 +103,11 @@ def load_schedule(path: str) -> ChaosConfig:
         raise ConfigError(f"schedule {path}: {format_validation_error(e)}") from None
     names = {f"island-{i}" for i in range(config.islands)}
     for fault in config.faults:
-        if fault.kind in ("kill", "freeze", "corrupt") and fault.island not in names:
+        if fault.kind != "kill_bootstrap" and fault.island not in names:
             raise ConfigError(f"schedule {path}: fault at {fault.at} s names island {fault.island!r}, "
                               f"expected one of {', '.join(sorted(names))}")
+        if fault.kind in ("cut", "throttle") and config.network != "netns":
+            raise ConfigError(f"schedule {path}: the {fault.kind} fault at {fault.at} s needs network = \"netns\"")
     return config
 
 
@@ -104,6 +121,11 @@ class ChaosRun:
         self.faults: list[dict] = []  # what was done, when
         self.alive: dict[str, list[list[float]]] = {name: [] for name in self.names}  # [start, end]
         self.frozen: dict[str, list[list[float]]] = {name: [] for name in self.names}
+        self.cut: dict[str, list[list[float]]] = {name: [] for name in self.names}
+        self.throttled: dict[str, list[list[float]]] = {name: [] for name in self.names}
+        self.lab = None  # p2p_diloco.netns.Lab with network = "netns"
+        self.tails = {name: EventTail(self.swarm.events_path(name)) for name in self.names}
+        self.donor_watch: list[dict] = []  # kill_donor faults waiting for a donation to the joiner
         self.t0 = 0.0
 
     def island_args(self, index: int) -> list[str]:
@@ -120,6 +142,8 @@ class ChaosRun:
             "--progress-period", "2", "--progress-ttl", "10",
             *(["--checkpoint-dir", str(self.checkpoint_dir(index)), "--checkpoint-every", str(config.checkpoint_every)]
               if config.checkpoint_every else []),
+            *(["--debug-donate-delay", str(config.donate_delay)]
+              if any(f.kind == "kill_donor" for f in config.faults) else []),
             *config.island_args,
         ]
 
@@ -128,8 +152,9 @@ class ChaosRun:
         return self.out / "checkpoints" / f"island-{index}"
 
     def _start(self, name: str, initial_peers: Optional[list[str]] = None, extra: tuple[str, ...] = ()) -> None:
-        self.swarm.start_island(name, *self.island_args(self.names.index(name)), *extra,
-                                initial_peers=initial_peers)
+        index = self.names.index(name)
+        where = dict(host=self.lab.address(index), prefix=self.lab.prefix(index)) if self.lab else {}
+        self.swarm.start_island(name, *self.island_args(index), *extra, initial_peers=initial_peers, **where)
         self.alive[name].append([time.time(), float("inf")])
 
     def _live_peers(self) -> list[str]:
@@ -140,7 +165,8 @@ class ChaosRun:
             if island.alive():
                 starts = [e for e in read_events(str(self.swarm.events_path(name))) if e.get("event") == "start"]
                 if starts:
-                    return [m for m in starts[-1]["maddrs"] if "/127.0.0.1/" in m] or starts[-1]["maddrs"]
+                    host = self.lab.address(self.names.index(name)) if self.lab else "127.0.0.1"
+                    return [m for m in starts[-1]["maddrs"] if f"/{host}/" in m] or starts[-1]["maddrs"]
         return self.swarm.initial_peers
 
     def _record(self, kind: str, island: str = "", **extra) -> None:
@@ -153,8 +179,17 @@ class ChaosRun:
         return [pid, *descendants(pid)]
 
     def run(self) -> dict:
-        """Start, inject, stop, report. Returns the report (also written to report.json)."""
+        """Start, inject, stop, report. Returns the report (also written to report.json).
+
+        :raises RuntimeError: if the islands do not start training
+        :raises p2p_diloco.netns.NetnsUnavailable: network = "netns" where namespaces cannot be made
+        """
         self.out.mkdir(parents=True, exist_ok=True)
+        if self.config.network == "netns":
+            from p2p_diloco.netns import Lab
+
+            self.lab = Lab(self.config.islands)
+            self.swarm.host = self.lab.host
         self.swarm.start_bootstrap()
         for name in self.names:
             self._start(name)
@@ -176,8 +211,12 @@ class ChaosRun:
                 continue
             if now >= end:
                 break
+            for follow_up in self._watch_donors():
+                counter += 1
+                heapq.heappush(agenda, (now + follow_up[0], counter, follow_up[1], follow_up[2]))
             self.swarm.remember_trees()
-            self.stop.wait(min(0.5, max(0.0, min([end] + [a[0] for a in agenda[:1]]) - now)))
+            tick = 0.05 if self.donor_watch else 0.5
+            self.stop.wait(min(tick, max(0.0, min([end] + [a[0] for a in agenda[:1]]) - now)))
         measured_end = time.time()
         self.close()
         return self.report(measured_end)
@@ -216,7 +255,62 @@ class ChaosRun:
             self.swarm.bootstrap.signal(signal.SIGKILL)
             self._record("kill_bootstrap")
             return None
+        if kind == "kill_donor":  # restart the joiner; _watch_donors kills whoever serves its download
+            island = self.swarm.islands[name]
+            if island.alive():
+                island.signal(signal.SIGKILL)
+                island.popen.wait(10)
+                self.alive[name][-1][1] = time.time()
+            self.tails[name].read()  # skip the old life's events
+            self._start(name, initial_peers=self._live_peers())
+            self._record("restart", name, why="kill_donor")
+            self.donor_watch.append({"joiner": name, "since": time.time(), "joining": False,
+                                     "restart_after": fault.get("restart_after"), "fault": fault})
+            return None
+        if kind in ("cut", "restore", "throttle", "unthrottle"):
+            index, spans = self.names.index(name), (self.cut if kind in ("cut", "restore") else self.throttled)
+            if kind == "cut":
+                self.lab.cut(index)
+            elif kind == "restore":
+                self.lab.restore(index)
+            elif kind == "throttle":
+                self.lab.throttle(index, fault["rate"])
+            else:
+                self.lab.unthrottle(index)
+            if kind in ("cut", "throttle"):
+                spans[name].append([time.time(), float("inf")])
+                self._record(kind, name, duration=fault["duration"], **({"rate": fault["rate"]} if kind == "throttle" else {}))
+                return fault["duration"], "restore" if kind == "cut" else "unthrottle"
+            spans[name][-1][1] = time.time()
+            self._record(kind, name)
+            return None
         raise ValueError(kind)
+
+    def _watch_donors(self) -> list[tuple[float, str, dict]]:
+        """For each pending kill_donor fault: once the joiner starts downloading state, SIGKILL the
+        first island that logs a donation. Returns follow-ups (delay, "restart", fault) for donors."""
+        follow_ups = []
+        donations = {n: [e for e in self.tails[n].read() if e.get("event") == "donate"] for n in self.names}
+        for watch in list(self.donor_watch):
+            joiner = watch["joiner"]
+            if not watch["joining"]:
+                watch["joining"] = any(e.get("event") == "join_start" and e["t"] >= watch["since"]
+                                        for e in self.tails[joiner].seen)
+            donors = [n for n in self.names if n != joiner and self.swarm.islands[n].alive()
+                      and any(e["t"] >= watch["since"] for e in donations[n])] if watch["joining"] else []
+            if donors:
+                donor = donors[0]
+                self.swarm.islands[donor].signal(signal.SIGKILL)
+                self.alive[donor][-1][1] = time.time()
+                self._record("kill_donor", donor, joiner=joiner)
+                self.donor_watch.remove(watch)
+                if watch["restart_after"]:
+                    follow_ups.append((watch["restart_after"], "restart", {"island": donor}))
+            elif time.time() - watch["since"] > 120 or not self.swarm.islands[joiner].alive():
+                logger.warning("kill_donor: %s never downloaded state; no donor was killed", joiner)
+                self._record("kill_donor_missed", joiner)
+                self.donor_watch.remove(watch)
+        return follow_ups
 
     def _wait_all_training(self, timeout: float = 240.0) -> None:
         deadline = time.monotonic() + timeout
@@ -231,7 +325,8 @@ class ChaosRun:
             self.stop.wait(1.0)
 
     def close(self) -> None:
-        """Thaw frozen islands, then stop every process."""
+        """Thaw frozen islands, then stop every process; then remove the network namespaces.
+        Safe to call twice."""
         now = time.time()
         for name, spans in self.frozen.items():
             if spans and spans[-1][1] == float("inf") and self.swarm.islands[name].alive():
@@ -239,9 +334,12 @@ class ChaosRun:
                     _signal(pid, signal.SIGCONT)
                 spans[-1][1] = now
         leftovers = self.swarm.close()
-        for name, spans in self.alive.items():
-            if spans and spans[-1][1] == float("inf"):
-                spans[-1][1] = time.time()
+        for table in (self.alive, self.cut, self.throttled):
+            for name, spans in table.items():
+                if spans and spans[-1][1] == float("inf"):
+                    spans[-1][1] = time.time()
+        if self.lab is not None:
+            self.lab.close()
         if leftovers:
             logger.warning("force-killed leftover processes: %s", leftovers)
 
@@ -255,6 +353,14 @@ class ChaosRun:
         flagged = {name: sorted({c for e in evs if e.get("outcome") == "rejected" for c in e.get("culprits", [])})
                    for name, evs in events.items()}
         evals = {name: [e["eval_loss"] for e in evs if e.get("event") == "eval"] for name, evs in events.items()}
+        donor_kills = []
+        for fault in self.faults:
+            if fault["kind"] == "kill_donor":
+                joins = [e for e in events[fault["joiner"]] if e.get("event") == "join" and e["t"] > fault["t"]]
+                done = len(joins) >= self.config.fragments
+                donor_kills.append({"donor": fault["island"], "joiner": fault["joiner"], "t": fault["t"],
+                                    "joiner_joined": done,
+                                    "join_seconds": round(max(e["t"] for e in joins) - fault["t"], 3) if done else None})
         report = {
             "schedule": self.config.model_dump(),
             "start": self.t0, "end": end,
@@ -262,6 +368,9 @@ class ChaosRun:
             "figures": figures.as_dict(),
             "rounds": rounds,
             "flagged": flagged,
+            "donor_kills": donor_kills,
+            "network": {"cut": {n: s for n, s in self.cut.items() if s},
+                        "throttled": {n: s for n, s in self.throttled.items() if s}},
             "eval_loss": {name: {"first": v[0] if v else None, "last": v[-1] if v else None}
                           for name, v in evals.items()},
         }
@@ -269,7 +378,9 @@ class ChaosRun:
         from p2p_diloco.plots import plot_timeline
 
         plot_timeline(events, alive=alive, frozen=frozen, faults=self.faults, start=self.t0, end=end,
-                      out_path=self.out / "timeline.png")
+                      out_path=self.out / "timeline.png",
+                      cut={n: [tuple(s) for s in spans] for n, spans in self.cut.items()},
+                      throttled={n: [tuple(s) for s in spans] for n, spans in self.throttled.items()})
         return report
 
 
@@ -278,6 +389,34 @@ def _signal(pid: int, signum: int) -> None:
         os.kill(pid, signum)
     except OSError:
         pass
+
+
+class EventTail:
+    """Reads an island's JSONL event log incrementally (all of its lives); ``seen`` keeps everything."""
+
+    def __init__(self, path: Path):
+        self.path, self.offset, self.seen = path, 0, []
+        self._partial = ""
+
+    def read(self) -> list[dict]:
+        """Events appended since the last call (a torn last line waits for its end)."""
+        try:
+            with open(self.path, encoding="utf-8") as f:
+                f.seek(self.offset)
+                chunk = f.read()
+                self.offset = f.tell()
+        except FileNotFoundError:
+            return []
+        lines = (self._partial + chunk).split("\n")
+        self._partial = lines.pop()
+        new = []
+        for line in lines:
+            try:
+                new.append(json.loads(line))
+            except json.JSONDecodeError:
+                continue
+        self.seen += new
+        return new
 
 
 def _tail_events(path: Path) -> list[dict]:

@@ -146,9 +146,10 @@ def run_chaos(args: argparse.Namespace, stop) -> int:
     try:
         report = run.run()
     except RuntimeError as e:
-        run.close()
         print(f"error: {e}", file=sys.stderr)
         return 1
+    finally:
+        run.close()
     figures = report["figures"]
     print(f"goodput {figures['goodput']:.3f}, alive utilization {figures['alive_utilization']:.3f}, "
           f"global downtime {figures['global_downtime_seconds']:.1f} s, stall per failure median "

@@ -152,6 +152,11 @@ class PeerConfig(_Section):
     debug_corrupt_outer: Literal["", "nan", "inf", "huge"] = Field(
         "", description="testing only: send NaN, Inf or 1e30 pseudo-gradients, as a faulty island would"
     )
+    debug_donate_delay: float = Field(
+        0.0, ge=0.0, le=10.0,
+        description="testing only: seconds a donor waits before serving a state download (a slow donor; "
+        "chaos runs kill it meanwhile)",
+    )
     model: ModelConfig = Field(default_factory=ModelConfig)
     data: DataConfig = Field(default_factory=DataConfig)
     inner: InnerConfig = Field(default_factory=InnerConfig)

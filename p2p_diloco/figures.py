@@ -154,7 +154,7 @@ def run_figures(
     downtime, idle = global_downtime(steps, alive, start, end)
     stalls = []
     for fault in faults:
-        if fault["kind"] not in ("kill", "freeze", "kill_bootstrap", "kill_donor", "corrupt"):
+        if fault["kind"] not in ("kill", "freeze", "kill_bootstrap", "kill_donor", "corrupt", "cut", "throttle"):
             continue
         for name, island_steps in steps.items():
             if name == fault.get("island"):

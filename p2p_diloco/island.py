@@ -233,6 +233,7 @@ class Island:
                 run_id=config.run_id, fingerprint=self.fingerprint, island=config.island, config=config.outer,
                 layout=self.layout, shapes=self.shapes, learner=self.learner, events=self.events,
                 swarm_bases=lambda: self.reporter.swarm_bases(), corrupt=config.debug_corrupt_outer,
+                donate_delay=config.debug_donate_delay,
             )
             if config.debug_corrupt_outer:
                 logger.warning("testing mode: this island sends %s pseudo-gradients", config.debug_corrupt_outer)
@@ -279,6 +280,7 @@ class Island:
         syncer = self.syncer
         if donors:
             logger.info("joining: downloading global parameters from %d live island(s)", len(donors))
+            self.events({"event": "join_start", "donors": sorted(r.island for r in donors)})
             if syncer.load_from_peers(timeout=self.config.join_timeout, stop=self.stop.event):
                 for p in range(self.layout.num_fragments):
                     self.learner.load_global(p, syncer.global_params(p))

@@ -1,5 +1,5 @@
 """Start and stop a swarm of real processes on this machine: a bootstrap node and islands on
-127.0.0.1. Used by the demo, the tests and later fault-injection runs; every process it starts is
+127.0.0.1 (or in network namespaces, see :mod:`p2p_diloco.netns`). Used by the demo, the tests and later fault-injection runs; every process it starts is
 tracked by PID and ended by :meth:`LocalSwarm.close`."""
 
 from __future__ import annotations
@@ -16,6 +16,11 @@ from pathlib import Path
 from typing import Optional, Sequence
 
 LOOPBACK = "/ip4/127.0.0.1/tcp/0"
+
+
+def listen_maddr(host: str) -> str:
+    """The multiaddr to listen on at ``host`` (an IPv4 address) with a free port."""
+    return f"/ip4/{host}/tcp/0"
 
 
 def descendants(pid: int) -> list[int]:
@@ -109,23 +114,25 @@ class LocalSwarm:
     :param workdir: logs, keys, summaries and event logs go here
     :param run_id: the run the islands join
     :param env: extra environment variables for every process
+    :param host: the bootstrap node's IPv4 address (and the islands' unless given per island)
     """
 
-    def __init__(self, workdir: str | Path, run_id: str = "local", env: Optional[dict] = None):
+    def __init__(self, workdir: str | Path, run_id: str = "local", env: Optional[dict] = None,
+                 host: str = "127.0.0.1"):
         self.workdir = Path(workdir)
         self.workdir.mkdir(parents=True, exist_ok=True)
-        self.run_id = run_id
+        self.run_id, self.host = run_id, host
         # children end themselves if this launcher dies without stopping them (procs.exit_with_parent)
         self.env = os.environ.copy() | {"PYTHONUNBUFFERED": "1", "P2P_DILOCO_EXIT_WITH_PARENT": "1"} | (env or {})
         self.bootstrap: Optional[Managed] = None
         self.initial_peers: list[str] = []
         self.islands: dict[str, Managed] = {}
 
-    def _spawn(self, name: str, args: Sequence[str], *, stdout=None) -> Managed:
+    def _spawn(self, name: str, args: Sequence[str], *, stdout=None, prefix: Sequence[str] = ()) -> Managed:
         log_path = self.workdir / f"{name}.log"
         log = open(log_path, "ab")
         popen = subprocess.Popen(
-            [sys.executable, "-m", "p2p_diloco", *args], stdout=stdout or log, stderr=log, env=self.env,
+            [*prefix, sys.executable, "-m", "p2p_diloco", *args], stdout=stdout or log, stderr=log, env=self.env,
             start_new_session=True,  # a Ctrl+C in the terminal reaches the launcher only; it stops us in order
         )
         log.close()
@@ -138,7 +145,7 @@ class LocalSwarm:
         """
         self.bootstrap = self._spawn(
             "bootstrap",
-            ["bootstrap", "--host-maddrs", LOOPBACK, "--identity-path", str(self.workdir / "bootstrap.key"),
+            ["bootstrap", "--host-maddrs", listen_maddr(self.host), "--identity-path", str(self.workdir / "bootstrap.key"),
              "--run-id", self.run_id, *extra],
             stdout=subprocess.PIPE,
         )
@@ -148,14 +155,19 @@ class LocalSwarm:
         self.initial_peers = line.split("=", 1)[1].split()
         return self.initial_peers
 
-    def start_island(self, name: str, *extra: str, initial_peers: Optional[Sequence[str]] = None) -> Managed:
-        """Start an island that writes ``<name>.summary.json`` and ``<name>.events.jsonl`` in workdir."""
+    def start_island(self, name: str, *extra: str, initial_peers: Optional[Sequence[str]] = None,
+                     host: Optional[str] = None, prefix: Sequence[str] = ()) -> Managed:
+        """Start an island that writes ``<name>.summary.json`` and ``<name>.events.jsonl`` in workdir.
+
+        :param host: the island's IPv4 address (default: the swarm's)
+        :param prefix: command prefix, e.g. ``ip netns exec NS`` (it must exec, keeping the PID)
+        """
         peers = list(self.initial_peers if initial_peers is None else initial_peers)
-        args = ["peer", "--run-id", self.run_id, "--island", name, "--host-maddrs", LOOPBACK,
+        args = ["peer", "--run-id", self.run_id, "--island", name, "--host-maddrs", listen_maddr(host or self.host),
                 "--summary-json", str(self.summary_path(name)), "--log-jsonl", str(self.events_path(name))]
         if peers:
             args += ["--initial-peers", *peers]
-        island = self._spawn(name, [*args, *extra])
+        island = self._spawn(name, [*args, *extra], prefix=prefix)
         self.islands[name] = island
         return island
 

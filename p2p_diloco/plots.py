@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Mapping
+from typing import Mapping, Optional
 
 from p2p_diloco.events import read_events
 
@@ -53,11 +53,14 @@ def plot_loss_vs_tokens(event_logs: Mapping[str, str | Path], out_path: str | Pa
 
 
 def plot_timeline(events: Mapping[str, list], *, alive: Mapping[str, list], frozen: Mapping[str, list],
-                  faults: list, start: float, end: float, out_path: str | Path) -> Path:
+                  faults: list, start: float, end: float, out_path: str | Path,
+                  cut: Optional[Mapping[str, list]] = None, throttled: Optional[Mapping[str, list]] = None) -> Path:
     """One row per island over the run: training (green), loading after a (re)start (orange),
-    frozen by SIGSTOP (blue), down (red); faults are vertical marks. Times in seconds from ``start``.
+    frozen by SIGSTOP (blue), down (red); a cut link is a purple stripe and a throttled one a yellow
+    stripe under the row; faults are vertical marks. Times in seconds from ``start``.
 
-    :param events: island -> its events; ``alive``/``frozen``: island -> [(start, end)] wall times
+    :param events: island -> its events; ``alive``/``frozen``/``cut``/``throttled``: island -> [(start, end)]
+        wall times
     :returns: the PNG's path
     """
     import matplotlib
@@ -68,7 +71,8 @@ def plot_timeline(events: Mapping[str, list], *, alive: Mapping[str, list], froz
 
     from p2p_diloco.figures import clip, subtract
 
-    colors = {"training": "#4caf50", "loading": "#ff9800", "frozen": "#2196f3", "down": "#e53935"}
+    colors = {"training": "#4caf50", "loading": "#ff9800", "frozen": "#2196f3", "down": "#e53935",
+              "link cut": "#8e24aa", "throttled": "#fdd835"}
     names = sorted(events)
     fig, ax = plt.subplots(figsize=(11, 0.6 * len(names) + 2.0), dpi=120)
     for row, name in enumerate(names):
@@ -87,6 +91,9 @@ def plot_timeline(events: Mapping[str, list], *, alive: Mapping[str, list], froz
         }
         for state, intervals in parts.items():
             ax.broken_barh([(a - start, b - a) for a, b in intervals], (row - 0.35, 0.7), color=colors[state])
+        for state, table in (("link cut", cut), ("throttled", throttled)):
+            intervals = clip([tuple(s) for s in (table or {}).get(name, [])], start, end)
+            ax.broken_barh([(a - start, b - a) for a, b in intervals], (row - 0.45, 0.12), color=colors[state])
     for fault in faults:
         x = fault["t"] - start
         ax.axvline(x, color="black", lw=0.8, alpha=0.6)
@@ -96,7 +103,7 @@ def plot_timeline(events: Mapping[str, list], *, alive: Mapping[str, list], froz
     ax.set_xlim(0, end - start)
     ax.set_ylim(-0.6, len(names) + 1.2)
     ax.set_xlabel("seconds since every island trained")
-    ax.legend(handles=[Patch(color=c, label=s) for s, c in colors.items()], loc="upper right", fontsize=8, ncol=4)
+    ax.legend(handles=[Patch(color=c, label=s) for s, c in colors.items()], loc="upper right", fontsize=8, ncol=6)
     fig.tight_layout()
     out = Path(out_path)
     out.parent.mkdir(parents=True, exist_ok=True)

@@ -26,7 +26,7 @@ from typing import Callable, Optional, Protocol, Sequence
 
 import torch
 
-from p2p_diloco import outer
+from p2p_diloco import outer, transport
 from p2p_diloco.config import OuterConfig
 from p2p_diloco.fragments import FragmentLayout
 from p2p_diloco.schedule import RoundClock, RoundSlot
@@ -125,6 +125,7 @@ class Syncer:
     :param swarm_bases: (island, fragment versions, fragment hashes) reported by the other live islands
     :param corrupt: testing only: "nan", "inf" or "huge" makes this island send garbage, as a faulty
         island would, to check that the others reject it
+    :param donate_delay: testing only: seconds to wait before serving a state download (a slow donor)
     """
 
     def __init__(
@@ -140,10 +141,12 @@ class Syncer:
         events: Callable[[dict], None],
         swarm_bases: SwarmBases,
         corrupt: str = "",
+        donate_delay: float = 0.0,
     ):
         self.run_id, self.fingerprint, self.island, self.config = run_id, fingerprint, island, config
         self.layout, self.shapes, self.learner = layout, [list(s) for s in shapes], learner
         self.events, self.swarm_bases, self.corrupt = events, swarm_bases, corrupt
+        self.donate_delay = donate_delay
         self.clock = RoundClock(config.period, layout.num_fragments)
         self.offset = outer.wire_offset(config.max_delta)
         self.bound = outer.wire_bound(config.max_delta, self.offset)
@@ -168,11 +171,9 @@ class Syncer:
 
     def create_averagers(self, dht) -> None:
         """Start one averager process per fragment (from the main thread: see procs.py)."""
-        from p2p_diloco.transport import make_fragment_averager
-
         for p in range(self.layout.num_fragments):
             self.averagers.append(
-                make_fragment_averager(
+                transport.make_fragment_averager(
                     self.buffers[p],
                     dht,
                     prefix=self.prefix(p),
@@ -293,7 +294,13 @@ class Syncer:
         Returns copies: hivemind moves what it sends into shared memory, which must not happen to
         tensors other threads are reading.
         """
-        self._idle[p].wait(timeout=min(2.0, self.config.allreduce_timeout))  # prefer the state after a round
+        self.events({"event": "donate", "fragment": p})
+        # the downloader gives up when the first chunk takes longer than next_chunk_timeout
+        budget = 0.8 * transport.next_chunk_timeout(self.config.allreduce_timeout)
+        delay = min(self.donate_delay, budget)
+        if delay > 0:
+            time.sleep(delay)
+        self._idle[p].wait(timeout=min(2.0, budget - delay))  # prefer the state after a round
         state = self.states[p]
         if state is None:
             raise RuntimeError("state not ready")
@@ -585,7 +592,13 @@ class Syncer:
             logger.debug("round failed: %r", e)
             if control is not None and not control.done():
                 control.cancel()
+            # the future keeps the exception, whose traceback holds this frame and its callers' (the
+            # snapshot, the pseudo-gradient): a reference cycle that only a full GC would free, so
+            # the island's memory grew by a fragment or two per failed round (scripts/bench_rss.py)
+            e.__traceback__ = None
             return None
+        finally:
+            control = None
 
     def _stepped(self, state: FragmentState, merged: list[torch.Tensor], version: int, support: int) -> FragmentState:
         theta = [t.clone() for t in state.theta]

@@ -219,6 +219,12 @@ def _fragment_averager_class():
     return FragmentAverager
 
 
+def next_chunk_timeout(allreduce_timeout: float) -> float:
+    """Seconds a receiver waits for the next chunk of an all-reduce or a state download (hivemind's
+    ``next_chunk_timeout``); a donor must start streaming well within it."""
+    return max(1.0, allreduce_timeout / 2)
+
+
 def make_fragment_averager(
     tensors: Sequence[torch.Tensor],
     dht,
@@ -246,7 +252,7 @@ def make_fragment_averager(
     :returns: the started averager; end it with ``terminate()`` after the DHT is shut down
     """
     FragmentAverager = _fragment_averager_class()
-    chunk_timeout = max(1.0, allreduce_timeout / 2)
+    chunk_timeout = next_chunk_timeout(allreduce_timeout)
     return FragmentAverager(
         averaged_tensors=list(tensors),
         dht=dht,

@@ -278,3 +278,47 @@ def test_a_member_sending_garbage_is_rejected_flagged_and_avoided(garbage):
     _round(*(s for s, _, _ in honest + [faulty]))
     bits = {s.averagers[0].group_bits for s, _, _ in honest}
     assert len(bits) == 1 and bits != {""} and faulty[0].averagers[0].group_bits == ""
+
+
+class FailedControl(FakeControl):
+    """Like hivemind's MPFuture after a failed round: it keeps one exception object and raises it."""
+
+    def __init__(self, group):
+        super().__init__(group)
+        self.exception = RuntimeError("could not find a group")
+
+    def result(self, timeout=None):
+        raise self.exception
+
+
+class FailingAverager(FakeAverager):
+    def step(self, *, gather, weight, **_):
+        return FailedControl(self.group)
+
+
+def test_a_failed_round_frees_its_tensors_without_the_cyclic_gc():
+    # the failed future's exception must not keep the round's frames (snapshot, pseudo-gradient)
+    # alive in a reference cycle: the island's memory would grow with every failed round
+    import gc
+    import weakref
+
+    theta = _params(0)
+    a, learner, events = _syncer("a", theta, [t - 0.05 for t in theta])
+    a.averagers = [FailingAverager(a, FakeGroup(2))]
+    taken = []
+    request = learner.request_snapshot
+
+    def tracked(fragment, timeout):
+        snapshot = request(fragment, timeout)
+        taken.append(weakref.ref(snapshot.params[0]))
+        return snapshot
+
+    learner.request_snapshot = tracked
+    gc.collect()
+    gc.disable()
+    try:
+        _round(a)
+        assert events[-1]["outcome"] == "fallback"
+        assert taken and taken[0]() is None
+    finally:
+        gc.enable()

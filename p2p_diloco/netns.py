@@ -1,0 +1,126 @@
+"""Emulated links between islands on one machine: Linux network namespaces joined by veth pairs.
+
+Each island of a chaos run gets its own network namespace with one interface, ``eth0``, whose peer
+end sits on a bridge in the launching namespace; the bootstrap node listens on the bridge's address.
+All addresses are private (10.77.x.0/24), on this machine only, and no namespace has a default route,
+so nothing can leave the host. A link can be cut (its bridge end set down) and throttled with
+``tc tbf`` on both ends (netem is not needed).
+
+Needs root (or CAP_NET_ADMIN) and the ``ip`` and ``tc`` tools; :func:`check_available` says why not.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+import subprocess
+from typing import Optional
+
+from p2p_diloco.errors import UserError
+
+logger = logging.getLogger(__name__)
+
+
+class NetnsUnavailable(UserError):
+    """Network namespaces cannot be used here (not root, or ``ip``/``tc`` missing)."""
+
+    exit_code = 2
+
+
+def check_available() -> Optional[str]:
+    """None if namespaces, veth pairs and tc can be used here, else the reason (one line)."""
+    if os.geteuid() != 0:
+        return "network namespaces need root (CAP_NET_ADMIN); run as root or use network = \"loopback\""
+    for tool in ("ip", "tc"):
+        if shutil.which(tool) is None:
+            return f"the {tool!r} tool is missing (Debian: apt install iproute2)"
+    return None
+
+
+def _run(*args: str, check: bool = True) -> subprocess.CompletedProcess:
+    result = subprocess.run(list(args), capture_output=True, text=True, timeout=20)
+    if check and result.returncode != 0:
+        raise RuntimeError(f"{' '.join(args)} failed: {result.stderr.strip()}")
+    return result
+
+
+class Lab:
+    """A bridge plus one namespace per island; :meth:`close` removes everything it created.
+
+    :param islands: how many namespaces (island i gets address ``10.77.<net>.<10+i>``)
+    :param tag: short unique suffix for interface names (default: this process's PID)
+    :raises NetnsUnavailable: when :func:`check_available` fails or the setup is refused
+    """
+
+    def __init__(self, islands: int, tag: Optional[str] = None):
+        reason = check_available()
+        if reason:
+            raise NetnsUnavailable(reason)
+        self.tag = tag or str(os.getpid() % 100000)
+        net = int(self.tag) % 200 + 20 if self.tag.isdigit() else 77
+        self.subnet = f"10.77.{net}"
+        self.bridge = f"pd{self.tag}br"
+        self.host = f"{self.subnet}.1"  # the bridge's address: the bootstrap node listens here
+        self.namespaces: list[str] = []
+        self.veths: list[str] = []
+        self._throttled: set[int] = set()
+        try:
+            _run("ip", "link", "add", self.bridge, "type", "bridge")
+            _run("ip", "addr", "add", f"{self.host}/24", "dev", self.bridge)
+            _run("ip", "link", "set", self.bridge, "up")
+            for i in range(islands):
+                self._add_island(i)
+        except (RuntimeError, OSError, subprocess.TimeoutExpired) as e:
+            self.close()
+            raise NetnsUnavailable(f"could not set up network namespaces: {e}") from None
+
+    def _add_island(self, i: int) -> None:
+        ns, veth = f"p2pd-{self.tag}-{i}", f"pd{self.tag}v{i}"
+        _run("ip", "netns", "add", ns)
+        self.namespaces.append(ns)
+        _run("ip", "link", "add", veth, "type", "veth", "peer", "name", "eth0", "netns", ns)
+        self.veths.append(veth)
+        _run("ip", "link", "set", veth, "master", self.bridge, "up")
+        _run("ip", "netns", "exec", ns, "ip", "addr", "add", f"{self.address(i)}/24", "dev", "eth0")
+        _run("ip", "netns", "exec", ns, "ip", "link", "set", "eth0", "up")
+        _run("ip", "netns", "exec", ns, "ip", "link", "set", "lo", "up")
+
+    def address(self, i: int) -> str:
+        """Island i's IPv4 address."""
+        return f"{self.subnet}.{10 + i}"
+
+    def prefix(self, i: int) -> list[str]:
+        """Command prefix that runs a program inside island i's namespace (same PID: ip execs it)."""
+        return ["ip", "netns", "exec", self.namespaces[i]]
+
+    def cut(self, i: int) -> None:
+        """Disconnect island i (its bridge end goes down; packets are dropped both ways)."""
+        _run("ip", "link", "set", self.veths[i], "down")
+
+    def restore(self, i: int) -> None:
+        """Reconnect island i after :meth:`cut`."""
+        _run("ip", "link", "set", self.veths[i], "up")
+
+    def throttle(self, i: int, rate: str, burst: str = "64kb", latency: str = "100ms") -> None:
+        """Limit island i's link to ``rate`` (tc syntax, e.g. "20mbit") in both directions with tc tbf."""
+        for prefix, dev in (([], self.veths[i]), (self.prefix(i), "eth0")):
+            _run(*prefix, "tc", "qdisc", "replace", "dev", dev, "root", "tbf", "rate", rate, "burst", burst,
+                 "latency", latency)
+        self._throttled.add(i)
+
+    def unthrottle(self, i: int) -> None:
+        """Remove island i's rate limit."""
+        for prefix, dev in (([], self.veths[i]), (self.prefix(i), "eth0")):
+            _run(*prefix, "tc", "qdisc", "del", "dev", dev, "root", check=False)
+        self._throttled.discard(i)
+
+    def close(self) -> None:
+        """Delete the namespaces (their veth pairs go with them) and the bridge; safe to call twice.
+        Call after every process inside the namespaces has ended."""
+        for ns in self.namespaces:
+            _run("ip", "netns", "del", ns, check=False)
+        for veth in self.veths:
+            _run("ip", "link", "del", veth, check=False)
+        _run("ip", "link", "del", self.bridge, check=False)
+        self.namespaces, self.veths = [], []

@@ -1,0 +1,79 @@
+"""Chaos schedules: validation, and the incremental event-log reader the runner polls."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from p2p_diloco.chaos import EventTail, load_schedule
+from p2p_diloco.errors import ConfigError
+
+
+def write(tmp_path, text: str, name: str = "s.toml"):
+    path = tmp_path / name
+    path.write_text(text)
+    return str(path)
+
+
+def test_schedule_reads_every_fault_kind(tmp_path):
+    config = load_schedule(write(tmp_path, """
+islands = 3
+network = "netns"
+[[faults]]
+at = 5
+kind = "kill_donor"
+island = "island-1"
+restart_after = 10
+[[faults]]
+at = 9
+kind = "throttle"
+island = "island-2"
+rate = "5mbit"
+duration = 4
+[[faults]]
+at = 12
+kind = "cut"
+island = "island-0"
+"""))
+    assert [f.kind for f in config.faults] == ["kill_donor", "throttle", "cut"]
+    assert config.faults[1].rate == "5mbit" and config.faults[2].duration == 10.0
+
+
+def test_schedule_yaml(tmp_path):
+    config = load_schedule(write(tmp_path, "islands: 2\nfaults:\n  - {at: 3, kind: freeze, island: island-1}\n",
+                                 "s.yaml"))
+    assert config.islands == 2 and config.faults[0].kind == "freeze"
+
+
+@pytest.mark.parametrize("text, words", [
+    ('islands = 2\n[[faults]]\nat = 1\nkind = "kill"\nisland = "island-7"\n', "island-7"),
+    ('[[faults]]\nat = 1\nkind = "cut"\nisland = "island-0"\n', "netns"),
+    ('network = "netns"\n[[faults]]\nat = 1\nkind = "throttle"\nisland = "island-0"\nrate = "fast"\n', "rate"),
+    ('[[faults]]\nat = -1\nkind = "freeze"\nisland = "island-0"\n', "at"),
+    ('[[faults]]\nat = 1\nkind = "explode"\nisland = "island-0"\n', "kind"),
+    ('islands = 3\ncolour = "red"\n', "colour"),
+])
+def test_bad_schedules_name_the_problem(tmp_path, text, words):
+    with pytest.raises(ConfigError, match=words):
+        load_schedule(write(tmp_path, text))
+
+
+def test_missing_schedule(tmp_path):
+    with pytest.raises(ConfigError, match="does not exist"):
+        load_schedule(str(tmp_path / "nope.yaml"))
+
+
+def test_event_tail_reads_increments_and_waits_for_torn_lines(tmp_path):
+    path = tmp_path / "a.events.jsonl"
+    tail = EventTail(path)
+    assert tail.read() == []  # no file yet
+    with open(path, "w") as f:
+        f.write(json.dumps({"event": "step", "t": 1.0}) + "\n" + '{"event": "do')
+    assert [e["event"] for e in tail.read()] == ["step"]
+    with open(path, "a") as f:
+        f.write('nate", "t": 2.0}\n')
+        f.write(json.dumps({"event": "round", "t": 3.0}) + "\n")
+    assert [e["event"] for e in tail.read()] == ["donate", "round"]
+    assert tail.read() == []
+    assert [e["t"] for e in tail.seen] == [1.0, 2.0, 3.0]
