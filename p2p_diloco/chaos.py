@@ -126,6 +126,7 @@ class ChaosRun:
         self.lab = None  # p2p_diloco.netns.Lab with network = "netns"
         self.tails = {name: EventTail(self.swarm.events_path(name)) for name in self.names}
         self.donor_watch: list[dict] = []  # kill_donor faults waiting for a donation to the joiner
+        self.extra: dict[str, tuple[str, ...]] = {}  # flags an island keeps across restarts (a faulty island)
         self.t0 = 0.0
 
     def island_args(self, index: int) -> list[str]:
@@ -151,10 +152,11 @@ class ChaosRun:
         """Island ``index``'s own checkpoint folder (used when the schedule sets checkpoint_every)."""
         return self.out / "checkpoints" / f"island-{index}"
 
-    def _start(self, name: str, initial_peers: Optional[list[str]] = None, extra: tuple[str, ...] = ()) -> None:
+    def _start(self, name: str, initial_peers: Optional[list[str]] = None) -> None:
         index = self.names.index(name)
         where = dict(host=self.lab.address(index), prefix=self.lab.prefix(index)) if self.lab else {}
-        self.swarm.start_island(name, *self.island_args(index), *extra, initial_peers=initial_peers, **where)
+        self.swarm.start_island(name, *self.island_args(index), *self.extra.get(name, ()),
+                                initial_peers=initial_peers, **where)
         self.alive[name].append([time.time(), float("inf")])
 
     def _live_peers(self) -> list[str]:
@@ -248,7 +250,8 @@ class ChaosRun:
             self.swarm.islands[name].signal(signal.SIGKILL)
             self.swarm.islands[name].popen.wait(10)
             self.alive[name][-1][1] = time.time()
-            self._start(name, initial_peers=self._live_peers(), extra=("--debug-corrupt-outer", fault["value"]))
+            self.extra[name] = ("--debug-corrupt-outer", fault["value"])  # faulty hardware stays faulty
+            self._start(name, initial_peers=self._live_peers())
             self._record("corrupt", name, value=fault["value"])
             return None
         if kind == "kill_bootstrap":
@@ -358,13 +361,18 @@ class ChaosRun:
             if fault["kind"] == "kill_donor":
                 joins = [e for e in events[fault["joiner"]] if e.get("event") == "join" and e["t"] > fault["t"]]
                 done = len(joins) >= self.config.fragments
+                joined_at = max(e["t"] for e in joins[:self.config.fragments]) if done else end
+                # who served the joiner after the kill: the download failed over to them
+                others = sorted(n for n, evs in events.items() if n not in (fault["island"], fault["joiner"]) and any(
+                    e.get("event") == "donate" and fault["t"] <= e["t"] <= joined_at for e in evs))
                 donor_kills.append({"donor": fault["island"], "joiner": fault["joiner"], "t": fault["t"],
-                                    "joiner_joined": done,
-                                    "join_seconds": round(max(e["t"] for e in joins) - fault["t"], 3) if done else None})
+                                    "joiner_joined": done, "failover_donors": others,
+                                    "join_seconds": round(joined_at - fault["t"], 3) if done else None})
         report = {
             "schedule": self.config.model_dump(),
             "start": self.t0, "end": end,
             "faults": self.faults,
+            "alive": alive, "frozen": frozen,  # island -> [start, end] of each life / each freeze
             "figures": figures.as_dict(),
             "rounds": rounds,
             "flagged": flagged,

@@ -69,6 +69,16 @@ def global_downtime(steps: Mapping[str, Sequence[Interval]], alive: Mapping[str,
     return length(idle), idle
 
 
+def loading_intervals(steps: Sequence[Interval], alive: Sequence[Interval]) -> list[Interval]:
+    """For each span an island's process ran, the stretch from its start to its first inner step
+    (imports, data, DHT, downloading the global state): the "loading" state after a (re)start."""
+    loading = []
+    for a, b in sorted(alive):  # each life separately: a restart right after a kill is a new start
+        first = min((s for s, _ in steps if s >= a - 1e-6), default=b)
+        loading.append((a, min(first, b)))
+    return loading
+
+
 def eval_intervals(events: Iterable[dict]) -> list[Interval]:
     """The held-out evaluations of one island's events (they are normal work, not a stall)."""
     return [(e["t"] - e.get("dt", 0.0), e["t"]) for e in events if e.get("event") == "eval"]
@@ -106,6 +116,8 @@ class RunFigures:
     goodput: float  # useful inner-step time / (islands x wall time)
     alive_utilization: float  # useful inner-step time / time islands were up and not frozen
     global_downtime: float
+    loading_seconds: float = 0.0  # time islands spent starting up (process start to first step)
+    ready_utilization: float = 0.0  # useful inner-step time / time islands were up, not frozen, not loading
     downtime_intervals: list[Interval] = field(default_factory=list)
     stall_per_failure: list[dict] = field(default_factory=list)  # {fault, island, seconds}
     rejoin_seconds: list[dict] = field(default_factory=list)  # {island, restarted, first_round, seconds}
@@ -118,6 +130,8 @@ class RunFigures:
             "useful_seconds": round(self.useful_seconds, 3),
             "goodput": round(self.goodput, 4),
             "alive_utilization": round(self.alive_utilization, 4),
+            "loading_seconds": round(self.loading_seconds, 3),
+            "ready_utilization": round(self.ready_utilization, 4),
             "global_downtime_seconds": round(self.global_downtime, 3),
             "downtime_intervals": [[round(a, 3), round(b, 3)] for a, b in self.downtime_intervals],
             "stall_per_failure": self.stall_per_failure,
@@ -151,6 +165,8 @@ def run_figures(
     useful = sum(length(s) for s in steps.values())
     wall = end - start
     running = sum(length(subtract(clip(alive.get(n, []), start, end), frozen.get(n, []))) for n in events)
+    loading = sum(length(subtract(clip(loading_intervals(step_intervals(events[n]), alive.get(n, [])), start, end),
+                                  frozen.get(n, []))) for n in events)
     downtime, idle = global_downtime(steps, alive, start, end)
     stalls = []
     for fault in faults:
@@ -182,5 +198,7 @@ def run_figures(
         wall_seconds=wall, islands=islands, useful_seconds=useful,
         goodput=useful / (islands * wall) if islands and wall > 0 else 0.0,
         alive_utilization=useful / running if running > 0 else 0.0,
+        loading_seconds=loading,
+        ready_utilization=useful / (running - loading) if running - loading > 0 else 0.0,
         global_downtime=downtime, downtime_intervals=idle, stall_per_failure=stalls, rejoin_seconds=rejoins,
     )

@@ -69,7 +69,7 @@ def plot_timeline(events: Mapping[str, list], *, alive: Mapping[str, list], froz
     import matplotlib.pyplot as plt
     from matplotlib.patches import Patch
 
-    from p2p_diloco.figures import clip, subtract
+    from p2p_diloco.figures import clip, loading_intervals, step_intervals, subtract
 
     colors = {"training": "#4caf50", "loading": "#ff9800", "frozen": "#2196f3", "down": "#e53935",
               "link cut": "#8e24aa", "throttled": "#fdd835"}
@@ -77,11 +77,8 @@ def plot_timeline(events: Mapping[str, list], *, alive: Mapping[str, list], froz
     fig, ax = plt.subplots(figsize=(11, 0.6 * len(names) + 2.0), dpi=120)
     for row, name in enumerate(names):
         spans = clip([tuple(s) for s in alive.get(name, [])], start, end)
-        steps = [(e["t"] - e["dt"], e["t"]) for e in events[name] if e.get("event") == "step"]
-        loading = []
-        for a, b in spans:
-            first = min((s for s, _ in steps if s >= a - 1e-6), default=b)
-            loading.append((a, min(first, b)))
+        loading = clip(loading_intervals(step_intervals(events[name]), [tuple(s) for s in alive.get(name, [])]),
+                       start, end)
         cold = clip([tuple(s) for s in frozen.get(name, [])], start, end)
         parts = {
             "down": subtract([(start, end)], spans),

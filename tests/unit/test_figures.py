@@ -66,3 +66,13 @@ def test_an_evaluation_is_not_a_stall():
                                  alive={"a": [(0, 100)], "b": [(0, 50)]}, frozen={},
                                  faults=[{"t": 50, "kind": "kill", "island": "b"}])
     assert result.stall_per_failure[0]["seconds"] == 0.0
+
+
+def test_loading_after_a_restart_counts_against_alive_but_not_ready_utilization():
+    events = {"a": _steps(0, 100), "b": _steps(0, 40) + _steps(70, 100)}  # b restarted at 60, trains from 70
+    alive = {"a": [(0, 100)], "b": [(0, 40), (60, 100)]}
+    result = figures.run_figures(events, start=0, end=100, alive=alive, frozen={})
+    assert result.loading_seconds == pytest.approx(10.0)
+    assert result.alive_utilization == pytest.approx(170 / 180)
+    assert result.ready_utilization == pytest.approx(1.0)
+    assert figures.loading_intervals(figures.step_intervals(events["b"]), alive["b"]) == [(0, 0), (60, 70)]
