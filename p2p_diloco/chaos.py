@@ -160,16 +160,20 @@ class ChaosRun:
         self.alive[name].append([time.time(), float("inf")])
 
     def _live_peers(self) -> list[str]:
-        """Addresses to join through: the bootstrap node's, else those of a live island."""
-        if self.swarm.bootstrap is not None and self.swarm.bootstrap.alive():
-            return self.swarm.initial_peers
+        """Addresses to join through: the bootstrap node's while it lives, plus those of every island
+        whose current life has started listening (a joiner needs only one of them to answer)."""
+        peers = list(self.swarm.initial_peers) if self.swarm.bootstrap is not None and self.swarm.bootstrap.alive() else []
         for name, island in self.swarm.islands.items():
-            if island.alive():
-                starts = [e for e in read_events(str(self.swarm.events_path(name))) if e.get("event") == "start"]
-                if starts:
-                    host = self.lab.address(self.names.index(name)) if self.lab else "127.0.0.1"
-                    return [m for m in starts[-1]["maddrs"] if f"/{host}/" in m] or starts[-1]["maddrs"]
-        return self.swarm.initial_peers
+            if not island.alive() or not self.alive[name]:
+                continue
+            life_start = self.alive[name][-1][0]
+            starts = [e for e in _tail_events(self.swarm.events_path(name))
+                      if e.get("event") == "start" and e["t"] >= life_start]
+            if starts:
+                host = self.lab.address(self.names.index(name)) if self.lab else "127.0.0.1"
+                maddrs = starts[-1]["maddrs"]
+                peers += [m for m in maddrs if f"/{host}/" in m] or maddrs
+        return peers or list(self.swarm.initial_peers)
 
     def _record(self, kind: str, island: str = "", **extra) -> None:
         fault = {"t": time.time(), "kind": kind, "island": island, **extra}
@@ -348,48 +352,75 @@ class ChaosRun:
 
     def report(self, end: float) -> dict:
         """Figures of the run from the islands' own event logs; writes report.json and timeline.png."""
-        events = {name: read_events(str(self.swarm.events_path(name))) for name in self.names}
-        alive = {n: [tuple(s) for s in spans] for n, spans in self.alive.items()}
-        frozen = {n: [tuple(s) for s in spans] for n, spans in self.frozen.items()}
-        figures = run_figures(events, start=self.t0, end=end, alive=alive, frozen=frozen, faults=self.faults)
-        rounds = {name: _count_outcomes(evs) for name, evs in events.items()}
-        flagged = {name: sorted({c for e in evs if e.get("outcome") == "rejected" for c in e.get("culprits", [])})
-                   for name, evs in events.items()}
-        evals = {name: [e["eval_loss"] for e in evs if e.get("event") == "eval"] for name, evs in events.items()}
-        donor_kills = []
-        for fault in self.faults:
-            if fault["kind"] == "kill_donor":
-                joins = [e for e in events[fault["joiner"]] if e.get("event") == "join" and e["t"] > fault["t"]]
-                done = len(joins) >= self.config.fragments
-                joined_at = max(e["t"] for e in joins[:self.config.fragments]) if done else end
-                # who served the joiner after the kill: the download failed over to them
-                others = sorted(n for n, evs in events.items() if n not in (fault["island"], fault["joiner"]) and any(
-                    e.get("event") == "donate" and fault["t"] <= e["t"] <= joined_at for e in evs))
-                donor_kills.append({"donor": fault["island"], "joiner": fault["joiner"], "t": fault["t"],
-                                    "joiner_joined": done, "failover_donors": others,
-                                    "join_seconds": round(joined_at - fault["t"], 3) if done else None})
-        report = {
-            "schedule": self.config.model_dump(),
-            "start": self.t0, "end": end,
-            "faults": self.faults,
-            "alive": alive, "frozen": frozen,  # island -> [start, end] of each life / each freeze
-            "figures": figures.as_dict(),
-            "rounds": rounds,
-            "flagged": flagged,
-            "donor_kills": donor_kills,
-            "network": {"cut": {n: s for n, s in self.cut.items() if s},
-                        "throttled": {n: s for n, s in self.throttled.items() if s}},
-            "eval_loss": {name: {"first": v[0] if v else None, "last": v[-1] if v else None}
-                          for name, v in evals.items()},
-        }
-        (self.out / "report.json").write_text(json.dumps(report, indent=2) + "\n")
-        from p2p_diloco.plots import plot_timeline
+        spans = lambda table: {n: [tuple(s) for s in v] for n, v in table.items()}  # noqa: E731
+        return write_report(self.out, self.config, start=self.t0, end=end, faults=self.faults,
+                            alive=spans(self.alive), frozen=spans(self.frozen), cut=spans(self.cut),
+                            throttled=spans(self.throttled))
 
-        plot_timeline(events, alive=alive, frozen=frozen, faults=self.faults, start=self.t0, end=end,
-                      out_path=self.out / "timeline.png",
-                      cut={n: [tuple(s) for s in spans] for n, spans in self.cut.items()},
-                      throttled={n: [tuple(s) for s in spans] for n, spans in self.throttled.items()})
-        return report
+
+def write_report(out: str | Path, config: ChaosConfig, *, start: float, end: float, faults: list[dict],
+                 alive: dict, frozen: dict, cut: dict, throttled: dict) -> dict:
+    """Compute a run's figures from the islands' event logs in ``out`` and write ``report.json`` and
+    ``timeline.png`` there. Times are wall-clock seconds; ``alive``/``frozen``/``cut``/``throttled``
+    map each island to its [start, end] intervals."""
+    out = Path(out)
+    names = [f"island-{i}" for i in range(config.islands)]
+    events = {name: _tail_events(out / f"{name}.events.jsonl") for name in names}
+    figures = run_figures(events, start=start, end=end, alive=alive, frozen=frozen, faults=faults)
+    rounds = {name: _count_outcomes(evs) for name, evs in events.items()}
+    flagged = {name: sorted({c for e in evs if e.get("outcome") == "rejected" for c in e.get("culprits", [])})
+               for name, evs in events.items()}
+    evals = {name: [e["eval_loss"] for e in evs if e.get("event") == "eval"] for name, evs in events.items()}
+    donor_kills = []
+    for fault in faults:
+        if fault["kind"] == "kill_donor":
+            joins = [e for e in events[fault["joiner"]] if e.get("event") == "join" and e["t"] > fault["t"]]
+            done = len(joins) >= config.fragments
+            joined_at = max(e["t"] for e in joins[:config.fragments]) if done else end
+            # who served the joiner after the kill: the download failed over to them
+            others = sorted(n for n, evs in events.items() if n not in (fault["island"], fault["joiner"]) and any(
+                e.get("event") == "donate" and fault["t"] <= e["t"] <= joined_at for e in evs))
+            donor_kills.append({"donor": fault["island"], "joiner": fault["joiner"], "t": fault["t"],
+                                "joiner_joined": done, "failover_donors": others,
+                                "join_seconds": round(joined_at - fault["t"], 3) if done else None})
+    report = {
+        "schedule": config.model_dump(),
+        "start": start, "end": end,
+        "faults": faults,
+        "alive": alive, "frozen": frozen,  # island -> [start, end] of each life / each freeze
+        "figures": figures.as_dict(),
+        "rounds": rounds,
+        "flagged": flagged,
+        "donor_kills": donor_kills,
+        "network": {"cut": {n: s for n, s in cut.items() if s}, "throttled": {n: s for n, s in throttled.items() if s}},
+        "eval_loss": {name: {"first": v[0] if v else None, "last": v[-1] if v else None} for name, v in evals.items()},
+    }
+    (out / "report.json").write_text(json.dumps(report, indent=2) + "\n")
+    from p2p_diloco.plots import plot_timeline
+
+    plot_timeline(events, alive=alive, frozen=frozen, faults=faults, start=start, end=end,
+                  out_path=out / "timeline.png", cut=cut, throttled=throttled)
+    return report
+
+
+def reanalyze(out: str | Path) -> dict:
+    """Recompute ``report.json`` and ``timeline.png`` of a finished run folder (after a change to the
+    figures' definitions, say) from its event logs and the spans the old report recorded.
+
+    :raises ConfigError: when ``out`` holds no readable report.json
+    """
+    path = Path(out) / "report.json"
+    try:
+        old = json.loads(path.read_text())
+        config = ChaosConfig.model_validate(old["schedule"])
+        spans = lambda key: {n: [tuple(s) for s in v] for n, v in old.get(key, {}).items()}  # noqa: E731
+        network = old.get("network", {})
+        return write_report(out, config, start=old["start"], end=old["end"], faults=old["faults"],
+                            alive=spans("alive"), frozen=spans("frozen"),
+                            cut={n: [tuple(s) for s in v] for n, v in network.get("cut", {}).items()},
+                            throttled={n: [tuple(s) for s in v] for n, v in network.get("throttled", {}).items()})
+    except (OSError, ValueError, KeyError, ValidationError) as e:
+        raise ConfigError(f"{path}: not a chaos report that can be recomputed ({e})") from None
 
 
 def _signal(pid: int, signum: int) -> None:

@@ -65,6 +65,8 @@ def build_parser() -> argparse.ArgumentParser:
     chaos.add_argument("--out", default="", metavar="DIR", help="output folder (default: runs/chaos-<timestamp>)")
     chaos.add_argument("--islands", type=int, metavar="N", help="override the schedule's number of islands")
     chaos.add_argument("--minutes", type=float, metavar="X", help="override the schedule's measured minutes")
+    chaos.add_argument("--reanalyze", default="", metavar="DIR",
+                       help="recompute report.json and timeline.png of a finished run folder, then exit")
 
     for sub in (bootstrap, peer, status, chaos):
         sub.add_argument("-v", "--verbose", action="store_true", help="debug logs, including hivemind's")
@@ -135,8 +137,11 @@ def run_chaos(args: argparse.Namespace, stop) -> int:
     """``p2p-diloco chaos``: run a schedule and print its headline figures."""
     import time
 
-    from p2p_diloco.chaos import ChaosConfig, ChaosRun, load_schedule
+    from p2p_diloco.chaos import ChaosConfig, ChaosRun, load_schedule, reanalyze
 
+    if args.reanalyze:
+        _print_chaos_figures(reanalyze(args.reanalyze)["figures"], args.reanalyze)
+        return 0
     config = load_schedule(args.schedule) if args.schedule else ChaosConfig()
     overrides = {key: value for key, value in (("islands", args.islands), ("minutes", args.minutes)) if value}
     if overrides:
@@ -150,11 +155,16 @@ def run_chaos(args: argparse.Namespace, stop) -> int:
         return 1
     finally:
         run.close()
-    figures = report["figures"]
-    print(f"goodput {figures['goodput']:.3f}, alive utilization {figures['alive_utilization']:.3f}, "
-          f"global downtime {figures['global_downtime_seconds']:.1f} s, stall per failure median "
-          f"{figures['stall_seconds_median']} s / max {figures['stall_seconds_max']} s; report in {out}/report.json")
+    _print_chaos_figures(report["figures"], out)
     return 130 if stop.event.is_set() else 0
+
+
+def _print_chaos_figures(figures: dict, out: str) -> None:
+    rejoins = [r["seconds"] for r in figures["rejoin"]]
+    print(f"goodput {figures['goodput']:.3f}, alive utilization {figures['alive_utilization']:.3f} "
+          f"(ready {figures['ready_utilization']:.3f}), global downtime {figures['global_downtime_seconds']:.1f} s, "
+          f"stall per failure median {figures['stall_seconds_median']} s / max {figures['stall_seconds_max']} s, "
+          f"rejoin {rejoins} s; report in {out}/report.json")
 
 
 def _fmt(value) -> str:

@@ -161,7 +161,9 @@ def run_figures(
         "island"}`` for each restart (time to rejoin runs from it to the island's next contributed round)
     :param stall_window: seconds after a fault in which the survivors' lost time is counted
     """
-    steps = {name: clip(step_intervals(evs), start, end) for name, evs in events.items()}
+    # a step that straddles a SIGSTOP measured the frozen seconds too (its dt is wall time): not useful work
+    steps = {name: [piece for step in clip(step_intervals(evs), start, end)
+                    for piece in subtract([step], frozen.get(name, []))] for name, evs in events.items()}
     useful = sum(length(s) for s in steps.values())
     wall = end - start
     running = sum(length(subtract(clip(alive.get(n, []), start, end), frozen.get(n, []))) for n in events)

@@ -51,14 +51,25 @@ class Reporter:
     :param show: takes (other islands' records, tick) and displays a status line
     :param health: returns None, or why the island cannot go on (a dead helper process)
     :param on_failure: called once when ``health`` reports a problem
+    :param reconnect: takes {peer id: multiaddrs} of peers to dial again and returns a future (or
+        None); called every ``heal_every`` seconds for islands this one knew but no longer sees, and
+        for the initial peers while it sees nobody (see :func:`transport.reconnect_peers`)
+    :param initial: the initial peers, {peer id: multiaddrs}
     """
 
     def __init__(self, board: ProgressBoard, build_record: Callable[[str], IslandProgress], *, period: float,
                  ttl: float, fingerprint: str, island: str, show: Callable[[list, int], None],
-                 health: Callable[[], Optional[str]], on_failure: Callable[[], None]):
+                 health: Callable[[], Optional[str]], on_failure: Callable[[], None],
+                 reconnect: Optional[Callable[[dict], object]] = None, initial: Optional[dict] = None,
+                 heal_every: float = 5.0, forget_after: float = 600.0):
         self.board, self.build_record, self.period, self.ttl = board, build_record, period, ttl
         self.fingerprint, self.island, self.show = fingerprint, island, show
         self.health, self.on_failure = health, on_failure
+        self.reconnect, self.initial = reconnect, dict(initial or {})
+        self.heal_every, self.forget_after = heal_every, forget_after
+        self.known: dict[str, tuple[list[str], float]] = {}  # peer id -> (multiaddrs, last seen)
+        self._healing = None
+        self._last_heal = 0.0
         self.others: list[IslandProgress] = []
         self.state = "loading"
         self.failure: Optional[str] = None
@@ -86,10 +97,31 @@ class Reporter:
                 self.board.publish(self.build_record(self.state), self.ttl)
                 self.others = [r for r in self.board.read() if r.island != self.island]
                 self.show(self.others, tick)
+                self._heal()
             except Exception as e:  # a display or record bug must not silence the island
                 logger.warning("progress report failed: %r", e)
             tick += 1
             self._stop.wait(self.period)
+
+    def _heal(self) -> None:
+        """Dial again the islands we knew but no longer see (their records expired: dead, frozen or
+        cut off), so that a partition heals even after the bootstrap node is gone."""
+        now = time.time()
+        for record in self.others:
+            self.known[record.peer_id] = (list(record.maddrs), now)
+        if self.reconnect is None or now - self._last_heal < self.heal_every:
+            return
+        if self._healing is not None and not self._healing.done():
+            return  # the previous attempt is still dialling
+        visible = {record.peer_id for record in self.others}
+        missing = {peer: maddrs for peer, (maddrs, seen) in self.known.items()
+                   if peer not in visible and now - seen < self.forget_after}
+        if not visible:
+            missing |= {peer: maddrs for peer, maddrs in self.initial.items() if peer not in missing}
+        self._last_heal = now
+        if missing:
+            logger.debug("reconnecting to %d peer(s) we no longer see", len(missing))
+            self._healing = self.reconnect(missing)
 
     def stop(self) -> None:
         """Stop the thread (waits for a DHT call in flight, bounded by the board's timeout)."""
@@ -244,7 +276,9 @@ class Island:
             self.status_line = StatusLine()
             self.reporter = Reporter(board, self._record, period=config.progress_period, ttl=config.progress_ttl,
                                      fingerprint=self.fingerprint, island=config.island, show=self._show,
-                                     health=self._health, on_failure=self.stop.event.set)
+                                     health=self._health, on_failure=self.stop.event.set,
+                                     reconnect=lambda peers: transport.reconnect_peers(self.dht, peers),
+                                     initial=transport.peers_by_id(self.peers))
             self.reporter.start()
             if self.resume is not None:
                 self._restore()

@@ -12,6 +12,7 @@ import os
 import socket
 import threading
 import time
+from functools import partial
 from pathlib import Path
 from typing import Any, Callable, Optional, Sequence
 
@@ -182,6 +183,16 @@ def start_dht(
             delay = min(delay * 2, 16.0)
 
 
+def peers_by_id(maddrs: Sequence[str]) -> dict[str, list[str]]:
+    """Group multiaddrs that end in ``/p2p/<peer id>`` by peer id (others are skipped)."""
+    peers: dict[str, list[str]] = {}
+    for maddr in maddrs:
+        head, sep, peer = str(maddr).rpartition("/p2p/")
+        if sep and peer:
+            peers.setdefault(peer, []).append(str(maddr))
+    return peers
+
+
 def visible_maddrs(dht) -> list[str]:
     """The multiaddrs (with /p2p/ peer id) that other peers can use to join through this one."""
     return [str(maddr) for maddr in dht.get_visible_maddrs(latest=True)]
@@ -189,6 +200,42 @@ def visible_maddrs(dht) -> list[str]:
 
 async def _count_peers(_dht, node) -> int:  # module level: run_coroutine pickles it to the DHT process
     return len(await node.p2p.list_peers())
+
+
+async def _reconnect(_dht, node, peers: dict, timeout: float) -> int:
+    """In the DHT process: dial each peer at its last known addresses and ping it, which puts it back
+    in this node's routing table and this node back in its (the ping asks it to add us)."""
+    import asyncio
+
+    from hivemind.p2p import PeerID
+    from multiaddr import Multiaddr
+
+    async def one(peer_id: str, maddrs: list) -> bool:
+        peer = PeerID.from_base58(peer_id)
+        try:  # the daemon may have forgotten the addresses of a peer it lost; tell it again
+            await asyncio.wait_for(node.p2p._client.connect(peer, [Multiaddr(m) for m in maddrs]), timeout)
+        except Exception:
+            pass  # the ping below still tries the addresses the daemon remembers
+        return await asyncio.wait_for(node.protocol.call_ping(peer), timeout) is not None
+
+    results = await asyncio.gather(*(one(p, m) for p, m in peers.items()), return_exceptions=True)
+    return sum(result is True for result in results)
+
+
+def reconnect_peers(dht, peers: dict[str, list[str]], timeout: float = 3.0):
+    """Ask the DHT to reconnect to ``peers`` (peer id -> multiaddrs), without waiting.
+
+    hivemind's DHT drops peers that stop answering (a cut link, a frozen process) and does not look
+    for them again; once the bootstrap node is gone, an island whose routing table emptied would stay
+    alone forever. Islands call this for peers they knew but no longer see, which heals the partition.
+
+    :returns: a future with the number of peers that answered (or None if the call could not be made)
+    """
+    try:
+        return dht.run_coroutine(partial(_reconnect, peers=dict(peers), timeout=timeout), return_future=True)
+    except Exception as e:
+        logger.debug("could not ask the DHT to reconnect: %r", e)
+        return None
 
 
 def count_connected_peers(dht) -> int:

@@ -77,3 +77,20 @@ def test_event_tail_reads_increments_and_waits_for_torn_lines(tmp_path):
     assert [e["event"] for e in tail.read()] == ["donate", "round"]
     assert tail.read() == []
     assert [e["t"] for e in tail.seen] == [1.0, 2.0, 3.0]
+
+
+def test_reanalyze_recomputes_a_run_folder(tmp_path):
+    from p2p_diloco.chaos import ChaosConfig, reanalyze
+
+    steps = [{"event": "step", "t": t + 0.5, "dt": 0.5, "island": "island-0"} for t in range(0, 100)]
+    (tmp_path / "island-0.events.jsonl").write_text("".join(json.dumps(e) + "\n" for e in steps))
+    old = {"schedule": ChaosConfig(islands=1).model_dump(), "start": 0.0, "end": 100.0, "faults": [],
+           "alive": {"island-0": [[0.0, 100.0]]}, "frozen": {"island-0": [[40.0, 50.0]]}}
+    (tmp_path / "report.json").write_text(json.dumps(old))
+    report = reanalyze(tmp_path)
+    assert report["figures"]["useful_seconds"] == pytest.approx(45.0)  # steps inside the freeze do not count
+    assert report["figures"]["alive_utilization"] == pytest.approx(0.5)
+    assert json.loads((tmp_path / "report.json").read_text())["figures"] == report["figures"]
+    assert (tmp_path / "timeline.png").exists()
+    with pytest.raises(ConfigError, match="report"):
+        reanalyze(tmp_path / "nowhere")

@@ -76,3 +76,10 @@ def test_loading_after_a_restart_counts_against_alive_but_not_ready_utilization(
     assert result.alive_utilization == pytest.approx(170 / 180)
     assert result.ready_utilization == pytest.approx(1.0)
     assert figures.loading_intervals(figures.step_intervals(events["b"]), alive["b"]) == [(0, 0), (60, 70)]
+
+
+def test_a_step_that_straddles_a_freeze_counts_only_its_running_time():
+    events = {"a": _steps(0, 30) + [{"event": "step", "t": 40.5, "dt": 10.5}] + _steps(40.5, 100)}
+    result = figures.run_figures(events, start=0, end=100, alive={"a": [(0, 100)]}, frozen={"a": [(30, 40)]})
+    assert result.useful_seconds == pytest.approx(90.0)
+    assert result.alive_utilization == pytest.approx(1.0)

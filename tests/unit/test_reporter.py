@@ -1,0 +1,62 @@
+"""The reporter's partition healing: which peers it dials again, and when (pure logic, no DHT)."""
+
+from __future__ import annotations
+
+import time
+
+from p2p_diloco.island import Reporter
+
+
+class Done:
+    def done(self):
+        return True
+
+
+def record(island: str, peer: str):
+    class R:  # the fields _heal reads
+        pass
+
+    r = R()
+    r.island, r.peer_id, r.maddrs = island, peer, [f"/ip4/127.0.0.1/tcp/1/p2p/{peer}"]
+    return r
+
+
+def reporter(calls, initial=None):
+    return Reporter(board=None, build_record=None, period=1.0, ttl=5.0, fingerprint="f", island="me", show=None,
+                    health=None, on_failure=None, reconnect=lambda peers: calls.append(peers) or Done(),
+                    initial=initial or {}, heal_every=0.0)
+
+
+def test_islands_that_vanished_are_dialled_again_and_the_initial_peers_when_alone():
+    calls = []
+    rep = reporter(calls, initial={"Boot": ["/ip4/127.0.0.1/tcp/9/p2p/Boot"]})
+    rep.others = [record("a", "A"), record("b", "B")]
+    rep._heal()
+    assert calls == []  # everybody visible
+    rep.others = [record("a", "A")]
+    rep._heal()
+    assert list(calls[-1]) == ["B"]  # b's record expired: dial it again
+    rep.others = []
+    rep._heal()
+    assert set(calls[-1]) == {"A", "B", "Boot"}  # alone: the initial peers too
+
+
+def test_healing_waits_for_the_previous_attempt_and_forgets_old_peers():
+    calls = []
+    rep = reporter(calls)
+
+    class Pending:
+        def done(self):
+            return False
+
+    rep.reconnect = lambda peers: calls.append(peers) or Pending()
+    rep.others = [record("a", "A")]
+    rep._heal()
+    rep.others = []
+    rep._heal()
+    rep._heal()
+    assert len(calls) == 1  # the first attempt is still dialling
+    rep._healing = Done()
+    rep.known["A"] = (rep.known["A"][0], time.time() - 10 * rep.forget_after)
+    rep._heal()
+    assert len(calls) == 1  # A was last seen too long ago: not dialled forever
