@@ -22,6 +22,7 @@ import json
 import logging
 import os
 import signal
+import subprocess
 import time
 from pathlib import Path
 from typing import Literal, Optional
@@ -127,6 +128,7 @@ class ChaosRun:
         self.tails = {name: EventTail(self.swarm.events_path(name)) for name in self.names}
         self.donor_watch: list[dict] = []  # kill_donor faults waiting for a donation to the joiner
         self.extra: dict[str, tuple[str, ...]] = {}  # flags an island keeps across restarts (a faulty island)
+        self._closed = False
         self.t0 = 0.0
 
     def island_args(self, index: int) -> list[str]:
@@ -205,7 +207,7 @@ class ChaosRun:
         agenda: list[tuple[float, int, str, dict]] = []
         for index, fault in enumerate(self.config.faults):
             heapq.heappush(agenda, (self.t0 + fault.at, index, fault.kind, fault.model_dump()))
-        counter = len(agenda)
+        counter, last_census = len(agenda), 0.0
         while not self.stop.is_set():
             now = time.time()
             if agenda and agenda[0][0] <= now:
@@ -213,107 +215,144 @@ class ChaosRun:
                 follow_up = self._apply(kind, fault)
                 if follow_up is not None:
                     counter += 1
-                    heapq.heappush(agenda, (now + follow_up[0], counter, follow_up[1], fault))
+                    heapq.heappush(agenda, (now + follow_up[0], counter, follow_up[1], follow_up[2]))
                 continue
             if now >= end:
                 break
             for follow_up in self._watch_donors():
                 counter += 1
                 heapq.heappush(agenda, (now + follow_up[0], counter, follow_up[1], follow_up[2]))
-            self.swarm.remember_trees()
+            if now - last_census >= 0.5:  # a /proc scan per process: not at the donor watch's pace
+                self.swarm.remember_trees()
+                last_census = now
             tick = 0.05 if self.donor_watch else 0.5
             self.stop.wait(min(tick, max(0.0, min([end] + [a[0] for a in agenda[:1]]) - now)))
         measured_end = time.time()
         self.close()
         return self.report(measured_end)
 
-    def _apply(self, kind: str, fault: dict) -> Optional[tuple[float, str]]:
+    def _apply(self, kind: str, fault: dict) -> Optional[tuple[float, str, dict]]:
+        """Inject one fault (or end one); returns a follow-up (delay, kind, fault) or None. A fault that
+        does not apply at that moment (killing a dead island, freezing a frozen one, cutting a cut
+        link: the donor of kill_donor is chosen at run time, so schedules can collide) is skipped and
+        recorded as such."""
         name = fault.get("island", "")
+        island = self.swarm.islands.get(name)
+        alive = island is not None and island.alive()
         if kind == "kill":
-            self.swarm.islands[name].signal(signal.SIGKILL)
-            self.alive[name][-1][1] = time.time()
+            if not alive:
+                return self._skip(kind, name, "not running")
+            self._kill(name)
             self._record("kill", name)
-            return (fault["restart_after"], "restart") if fault.get("restart_after") else None
+            return (fault["restart_after"], "restart", fault) if fault.get("restart_after") else None
         if kind == "restart":
+            if alive:
+                return self._skip(kind, name, "already running")
             self._start(name, initial_peers=self._live_peers())
-            self._record("restart", name)
+            self._record("restart", name, **({"faulty": True} if name in self.extra else {}))
             return None
         if kind == "freeze":
+            if not alive or _open(self.frozen[name]):
+                return self._skip(kind, name, "frozen already" if alive else "not running")
             for pid in self._tree(name):
                 _signal(pid, signal.SIGSTOP)
-            self.frozen[name].append([time.time(), float("inf")])
+            span = [time.time(), float("inf")]
+            self.frozen[name].append(span)
             self._record("freeze", name, duration=fault["duration"])
-            return fault["duration"], "thaw"
+            return fault["duration"], "thaw", dict(fault, span=span)
         if kind == "thaw":
+            span = fault["span"]
+            if span[1] != float("inf"):
+                return None  # killed while frozen: nothing left to thaw
             for pid in self._tree(name):
                 _signal(pid, signal.SIGCONT)
-            self.frozen[name][-1][1] = time.time()
+            span[1] = time.time()
             self._record("thaw", name)
             return None
         if kind == "corrupt":  # the island turns faulty: it restarts sending garbage pseudo-gradients
-            self.swarm.islands[name].signal(signal.SIGKILL)
-            self.swarm.islands[name].popen.wait(10)
-            self.alive[name][-1][1] = time.time()
+            if alive:
+                self._kill(name)
             self.extra[name] = ("--debug-corrupt-outer", fault["value"])  # faulty hardware stays faulty
             self._start(name, initial_peers=self._live_peers())
             self._record("corrupt", name, value=fault["value"])
             return None
         if kind == "kill_bootstrap":
+            if self.swarm.bootstrap is None or not self.swarm.bootstrap.alive():
+                return self._skip(kind, "", "not running")
             self.swarm.bootstrap.signal(signal.SIGKILL)
             self._record("kill_bootstrap")
             return None
         if kind == "kill_donor":  # restart the joiner; _watch_donors kills whoever serves its download
-            island = self.swarm.islands[name]
-            if island.alive():
-                island.signal(signal.SIGKILL)
-                island.popen.wait(10)
-                self.alive[name][-1][1] = time.time()
-            self.tails[name].read()  # skip the old life's events
+            if alive:
+                self._kill(name)
             self._start(name, initial_peers=self._live_peers())
-            self._record("restart", name, why="kill_donor")
+            self._record("restart", name, why="kill_donor", **({"faulty": True} if name in self.extra else {}))
             self.donor_watch.append({"joiner": name, "since": time.time(), "joining": False,
-                                     "restart_after": fault.get("restart_after"), "fault": fault})
+                                     "restart_after": fault.get("restart_after")})
             return None
-        if kind in ("cut", "restore", "throttle", "unthrottle"):
-            index, spans = self.names.index(name), (self.cut if kind in ("cut", "restore") else self.throttled)
+        if kind in ("cut", "throttle"):
+            spans = (self.cut if kind == "cut" else self.throttled)[name]
+            if _open(spans):
+                return self._skip(kind, name, "already " + ("cut" if kind == "cut" else "throttled"))
+            index = self.names.index(name)
             if kind == "cut":
                 self.lab.cut(index)
-            elif kind == "restore":
-                self.lab.restore(index)
-            elif kind == "throttle":
+            else:
                 self.lab.throttle(index, fault["rate"])
+            span = [time.time(), float("inf")]
+            spans.append(span)
+            self._record(kind, name, duration=fault["duration"], **({"rate": fault["rate"]} if kind == "throttle" else {}))
+            return fault["duration"], "restore" if kind == "cut" else "unthrottle", dict(fault, span=span)
+        if kind in ("restore", "unthrottle"):
+            index = self.names.index(name)
+            if kind == "restore":
+                self.lab.restore(index)
             else:
                 self.lab.unthrottle(index)
-            if kind in ("cut", "throttle"):
-                spans[name].append([time.time(), float("inf")])
-                self._record(kind, name, duration=fault["duration"], **({"rate": fault["rate"]} if kind == "throttle" else {}))
-                return fault["duration"], "restore" if kind == "cut" else "unthrottle"
-            spans[name][-1][1] = time.time()
+            fault["span"][1] = time.time()
             self._record(kind, name)
             return None
         raise ValueError(kind)
+
+    def _kill(self, name: str) -> None:
+        """SIGKILL an island's whole process tree (a stopped helper could not notice its parent died)
+        and close its life's span (and a freeze in progress)."""
+        for pid in self._tree(name):
+            _signal(pid, signal.SIGKILL)
+        try:
+            self.swarm.islands[name].popen.wait(10)
+        except subprocess.TimeoutExpired:
+            logger.warning("%s did not die within 10 s of SIGKILL", name)
+        now = time.time()
+        self.alive[name][-1][1] = now
+        if _open(self.frozen[name]):
+            self.frozen[name][-1][1] = now
+
+    def _skip(self, kind: str, name: str, why: str) -> None:
+        logger.warning("skipped %s %s: %s", kind, name, why)
+        self._record("skipped", name, fault=kind, why=why)
+        return None
 
     def _watch_donors(self) -> list[tuple[float, str, dict]]:
         """For each pending kill_donor fault: once the joiner starts downloading state, SIGKILL the
         first island that logs a donation. Returns follow-ups (delay, "restart", fault) for donors."""
         follow_ups = []
-        donations = {n: [e for e in self.tails[n].read() if e.get("event") == "donate"] for n in self.names}
+        for tail in self.tails.values():
+            tail.read()
         for watch in list(self.donor_watch):
-            joiner = watch["joiner"]
+            joiner, since = watch["joiner"], watch["since"]
             if not watch["joining"]:
-                watch["joining"] = any(e.get("event") == "join_start" and e["t"] >= watch["since"]
-                                        for e in self.tails[joiner].seen)
+                watch["joining"] = any(e["t"] >= since for e in self.tails[joiner].marks["join_start"])
             donors = [n for n in self.names if n != joiner and self.swarm.islands[n].alive()
-                      and any(e["t"] >= watch["since"] for e in donations[n])] if watch["joining"] else []
+                      and any(e["t"] >= since for e in self.tails[n].marks["donate"])] if watch["joining"] else []
             if donors:
                 donor = donors[0]
-                self.swarm.islands[donor].signal(signal.SIGKILL)
-                self.alive[donor][-1][1] = time.time()
+                self._kill(donor)
                 self._record("kill_donor", donor, joiner=joiner)
                 self.donor_watch.remove(watch)
                 if watch["restart_after"]:
                     follow_ups.append((watch["restart_after"], "restart", {"island": donor}))
-            elif time.time() - watch["since"] > 120 or not self.swarm.islands[joiner].alive():
+            elif time.time() - since > 120 or not self.swarm.islands[joiner].alive():
                 logger.warning("kill_donor: %s never downloaded state; no donor was killed", joiner)
                 self._record("kill_donor_missed", joiner)
                 self.donor_watch.remove(watch)
@@ -333,7 +372,17 @@ class ChaosRun:
 
     def close(self) -> None:
         """Thaw frozen islands, then stop every process; then remove the network namespaces.
-        Safe to call twice."""
+        Safe to call twice (the second call does nothing)."""
+        if self._closed:
+            return
+        self._closed = True
+        try:
+            self._stop_swarm()
+        finally:
+            if self.lab is not None:
+                self.lab.close()
+
+    def _stop_swarm(self) -> None:
         now = time.time()
         for name, spans in self.frozen.items():
             if spans and spans[-1][1] == float("inf") and self.swarm.islands[name].alive():
@@ -343,10 +392,9 @@ class ChaosRun:
         leftovers = self.swarm.close()
         for table in (self.alive, self.cut, self.throttled):
             for name, spans in table.items():
-                if spans and spans[-1][1] == float("inf"):
-                    spans[-1][1] = time.time()
-        if self.lab is not None:
-            self.lab.close()
+                for span in spans:
+                    if span[1] == float("inf"):
+                        span[1] = time.time()
         if leftovers:
             logger.warning("force-killed leftover processes: %s", leftovers)
 
@@ -423,6 +471,11 @@ def reanalyze(out: str | Path) -> dict:
         raise ConfigError(f"{path}: not a chaos report that can be recomputed ({e})") from None
 
 
+def _open(spans: list) -> bool:
+    """True if the last interval has not ended."""
+    return bool(spans) and spans[-1][1] == float("inf")
+
+
 def _signal(pid: int, signum: int) -> None:
     try:
         os.kill(pid, signum)
@@ -431,10 +484,12 @@ def _signal(pid: int, signum: int) -> None:
 
 
 class EventTail:
-    """Reads an island's JSONL event log incrementally (all of its lives); ``seen`` keeps everything."""
+    """Reads an island's JSONL event log incrementally (all of its lives); ``seen`` keeps everything,
+    ``marks`` the ``donate`` and ``join_start`` events (what the runner polls for)."""
 
     def __init__(self, path: Path):
         self.path, self.offset, self.seen = path, 0, []
+        self.marks: dict[str, list[dict]] = {"donate": [], "join_start": []}
         self._partial = ""
 
     def read(self) -> list[dict]:
@@ -455,6 +510,9 @@ class EventTail:
             except json.JSONDecodeError:
                 continue
         self.seen += new
+        for event in new:
+            if event.get("event") in self.marks:
+                self.marks[event["event"]].append(event)
         return new
 
 

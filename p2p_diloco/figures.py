@@ -187,8 +187,8 @@ def run_figures(
                            "seconds": round(seconds, 3)})
     rejoins = []
     for fault in faults:
-        if fault["kind"] != "restart":
-            continue
+        if fault["kind"] != "restart" or fault.get("faulty"):
+            continue  # a faulty island's rounds are rejected: it never "contributes again"
         rounds = [e for e in events.get(fault["island"], []) if e.get("event") == "round"
                   and e.get("outcome") == "ok" and e.get("contributed") and e["t_end"] > fault["t"]]
         first = min((e["t_end"] for e in rounds), default=None)

@@ -96,8 +96,8 @@ class Reporter:
                     return
                 self.board.publish(self.build_record(self.state), self.ttl)
                 self.others = [r for r in self.board.read() if r.island != self.island]
-                self.show(self.others, tick)
                 self._heal()
+                self.show(self.others, tick)
             except Exception as e:  # a display or record bug must not silence the island
                 logger.warning("progress report failed: %r", e)
             tick += 1
@@ -419,7 +419,7 @@ class Island:
             loss=_finite_or_none(stats.loss_ema), eval_loss=_finite_or_none(stats.eval_loss),
             fragment_versions=self.syncer.versions, fragment_hashes=self.syncer.hashes,
             rounds_ok=sync.rounds_ok, rounds_failed=sync.rounds_failed, rounds_rejected=sync.rounds_rejected,
-            flagged=sorted(self.syncer.flagged),
+            flagged=sorted(list(self.syncer.flagged)),
             bytes_sent=sync.bytes_sent, bytes_received=sync.bytes_received,
             utilization=float(stats.utilization),
             goodput=float(min(1.0, stats.inner_time / max(1e-9, time.time() - self.launched))),
@@ -427,6 +427,8 @@ class Island:
         )
 
     def _show(self, others: list[IslandProgress], tick: int) -> None:
+        # learn which islands the swarm caught sending garbage (a restarted island forgot)
+        self.syncer.adopt_flags([(r.island, r.flagged) for r in others if r.fingerprint == self.fingerprint])
         stats, sync = self.learner.stats, self.syncer.stats
         loss = f"{stats.loss_ema:.3f}" if stats.loss_ema is not None else "-"
         eval_loss = f"{stats.eval_loss:.3f}" if stats.eval_loss is not None else "-"
@@ -468,7 +470,7 @@ def make_summary(island: Island, stop_reason: str) -> dict:
         "outer_rounds_failed": sync.rounds_failed,
         "outer_rounds_skipped": sync.rounds_skipped,
         "outer_rounds_rejected": sync.rounds_rejected,
-        "flagged_islands": sorted(island.syncer.flagged),
+        "flagged_islands": sorted(list(island.syncer.flagged)),
         "group_sizes": {str(k): v for k, v in sorted(Counter(sync.group_sizes).items())},
         "state_downloads": sync.reloads,
         "fragment_versions": island.syncer.versions,

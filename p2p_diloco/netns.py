@@ -45,6 +45,18 @@ def _run(*args: str, check: bool = True) -> subprocess.CompletedProcess:
     return result
 
 
+def _free_subnet() -> str:
+    """A 10.77.x /24 that no interface of this namespace uses yet.
+
+    :raises RuntimeError: when all are taken
+    """
+    shown = _run("ip", "-4", "-o", "addr", "show").stdout
+    for x in range(20, 250):
+        if f" 10.77.{x}." not in shown:
+            return f"10.77.{x}"
+    raise RuntimeError("no free 10.77.x.0/24 subnet: remove stale labs (ip link show | grep pd)")
+
+
 class Lab:
     """A bridge plus one namespace per island; :meth:`close` removes everything it created.
 
@@ -58,15 +70,17 @@ class Lab:
         if reason:
             raise NetnsUnavailable(reason)
         self.tag = tag or str(os.getpid() % 100000)
-        net = int(self.tag) % 200 + 20 if self.tag.isdigit() else 77
-        self.subnet = f"10.77.{net}"
         self.bridge = f"pd{self.tag}br"
-        self.host = f"{self.subnet}.1"  # the bridge's address: the bootstrap node listens here
         self.namespaces: list[str] = []
         self.veths: list[str] = []
-        self._throttled: set[int] = set()
+        self._bridge_created = False
         try:
+            self.subnet = _free_subnet()
+            self.host = f"{self.subnet}.1"  # the bridge's address: the bootstrap node listens here
             _run("ip", "link", "add", self.bridge, "type", "bridge")
+            self._bridge_created = True
+            # where br_netfilter is loaded (Docker hosts), bridged frames would cross iptables FORWARD
+            _run("ip", "link", "set", self.bridge, "type", "bridge", "nf_call_iptables", "0", check=False)
             _run("ip", "addr", "add", f"{self.host}/24", "dev", self.bridge)
             _run("ip", "link", "set", self.bridge, "up")
             for i in range(islands):
@@ -107,13 +121,11 @@ class Lab:
         for prefix, dev in (([], self.veths[i]), (self.prefix(i), "eth0")):
             _run(*prefix, "tc", "qdisc", "replace", "dev", dev, "root", "tbf", "rate", rate, "burst", burst,
                  "latency", latency)
-        self._throttled.add(i)
 
     def unthrottle(self, i: int) -> None:
         """Remove island i's rate limit."""
         for prefix, dev in (([], self.veths[i]), (self.prefix(i), "eth0")):
             _run(*prefix, "tc", "qdisc", "del", "dev", dev, "root", check=False)
-        self._throttled.discard(i)
 
     def close(self) -> None:
         """Delete the namespaces (their veth pairs go with them) and the bridge; safe to call twice.
@@ -122,5 +134,6 @@ class Lab:
             _run("ip", "netns", "del", ns, check=False)
         for veth in self.veths:
             _run("ip", "link", "del", veth, check=False)
-        _run("ip", "link", "del", self.bridge, check=False)
-        self.namespaces, self.veths = [], []
+        if self._bridge_created:
+            _run("ip", "link", "del", self.bridge, check=False)
+        self.namespaces, self.veths, self._bridge_created = [], [], False

@@ -294,6 +294,8 @@ class Syncer:
         Returns copies: hivemind moves what it sends into shared memory, which must not happen to
         tensors other threads are reading.
         """
+        if self.states[p] is None:
+            raise RuntimeError("state not ready")
         self.events({"event": "donate", "fragment": p})
         # the downloader gives up when the first chunk takes longer than next_chunk_timeout
         budget = 0.8 * transport.next_chunk_timeout(self.config.allreduce_timeout)
@@ -302,8 +304,6 @@ class Syncer:
             time.sleep(delay)
         self._idle[p].wait(timeout=min(2.0, budget - delay))  # prefer the state after a round
         state = self.states[p]
-        if state is None:
-            raise RuntimeError("state not ready")
         tensors = [t.clone() for t in state.theta + state.momentum]
         with self._stats_lock:
             self.stats.bytes_sent += sum(t.numel() * t.element_size() for t in tensors)
@@ -546,12 +546,29 @@ class Syncer:
         self.events(event | {"outcome": "rejected", "group_size": len(members), "culprits": culprits,
                              "members": sorted(m["island"] for m in members), "t_end": time.time()})
 
+    def adopt_flags(self, reports: Sequence[tuple[str, Sequence[str]]]) -> list[str]:
+        """Flag the islands that a strict majority of the other live islands flagged (their records'
+        ``flagged``), so that a restarted island keeps away from a faulty one at once instead of
+        meeting it under the default group key first. ``reports``: (island, islands it flagged) of
+        the other live islands. Returns the islands newly flagged."""
+        adopted = []
+        for culprit in sorted({c for _, flags in reports for c in flags}):
+            if culprit == self.island or culprit in self.flagged:
+                continue
+            voters = [flags for island, flags in reports if island != culprit]
+            if voters and 2 * sum(culprit in flags for flags in voters) > len(voters):
+                logger.warning("island %s was flagged by %d of %d other islands: its rounds are avoided",
+                               culprit, sum(culprit in flags for flags in voters), len(voters))
+                self.flagged[culprit] = time.time()
+                adopted.append(culprit)
+        return adopted
+
     def _keep_away_from_flagged(self, averager) -> None:
         """Meet only islands that flagged the same ones: the group key gets bits derived from the
         flagged names (hivemind changes non-empty bits after each round, so they are set every time)."""
         if not self.flagged:
             return
-        digest = hashlib.sha256("|".join(sorted(self.flagged)).encode()).digest()
+        digest = hashlib.sha256("|".join(sorted(list(self.flagged))).encode()).digest()
         try:
             averager.set_group_bits(format(digest[0], "08b"))
         except Exception as e:

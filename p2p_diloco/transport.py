@@ -213,7 +213,8 @@ async def _reconnect(_dht, node, peers: dict, timeout: float) -> int:
     async def one(peer_id: str, maddrs: list) -> bool:
         peer = PeerID.from_base58(peer_id)
         try:  # the daemon may have forgotten the addresses of a peer it lost; tell it again
-            await asyncio.wait_for(node.p2p._client.connect(peer, [Multiaddr(m) for m in maddrs]), timeout)
+            addrs = [Multiaddr(m.rpartition("/p2p/")[0] or m) for m in maddrs]  # transport part only
+            await asyncio.wait_for(node.p2p._client.connect(peer, addrs), timeout)
         except Exception:
             pass  # the ping below still tries the addresses the daemon remembers
         return await asyncio.wait_for(node.protocol.call_ping(peer), timeout) is not None

@@ -94,3 +94,39 @@ def test_reanalyze_recomputes_a_run_folder(tmp_path):
     assert (tmp_path / "timeline.png").exists()
     with pytest.raises(ConfigError, match="report"):
         reanalyze(tmp_path / "nowhere")
+
+
+def test_faults_that_do_not_apply_are_skipped_and_spans_stay_consistent(tmp_path):
+    # stand-in islands are `sleep` processes this test owns: freeze and kill are real signals
+    import subprocess
+    import threading
+    import time
+
+    from p2p_diloco.chaos import ChaosConfig, ChaosRun
+    from p2p_diloco.localswarm import Managed
+
+    run = ChaosRun(ChaosConfig(islands=2), tmp_path, threading.Event())
+
+    def start(name, initial_peers=None):
+        run.swarm.islands[name] = Managed(name, subprocess.Popen(["sleep", "60"]), tmp_path / f"{name}.log")
+        run.alive[name].append([time.time(), float("inf")])
+
+    run._start = start
+    for name in run.names:
+        start(name)
+    try:
+        thaw = run._apply("freeze", {"island": "island-0", "duration": 5})
+        assert thaw[1] == "thaw"
+        assert run._apply("freeze", {"island": "island-0", "duration": 5}) is None  # frozen already
+        assert run._apply("kill", {"island": "island-0", "restart_after": None}) is None
+        assert not run.swarm.islands["island-0"].alive()
+        assert run.frozen["island-0"][-1][1] < float("inf")  # the freeze ended with the island
+        assert run._apply(*thaw[1:]) is None  # nothing left to thaw
+        assert run._apply("kill", {"island": "island-0"}) is None  # dead already
+        assert run._apply("restart", {"island": "island-1"}) is None  # running already
+        assert [f["kind"] for f in run.faults] == ["freeze", "skipped", "kill", "skipped", "skipped"]
+        assert len(run.alive["island-1"]) == 1 and run.alive["island-0"][0][1] < float("inf")
+    finally:
+        for island in run.swarm.islands.values():
+            island.popen.kill()
+            island.popen.wait(5)

@@ -322,3 +322,11 @@ def test_a_failed_round_frees_its_tensors_without_the_cyclic_gc():
         assert taken and taken[0]() is None
     finally:
         gc.enable()
+
+
+def test_a_restarted_island_adopts_the_flags_of_a_majority():
+    a, _, _ = _syncer("a", _params(0), _params(0))
+    assert a.adopt_flags([("b", ["x"]), ("c", []), ("x", [])]) == []  # 1 of 2 voters (x has no say on itself)
+    assert a.adopt_flags([("b", ["x", "a"]), ("c", ["x"]), ("x", ["b", "c"])]) == ["x"]
+    assert "x" in a.flagged and "a" not in a.flagged  # never flags itself
+    assert a.adopt_flags([("b", ["x"]), ("c", ["x"])]) == []  # already flagged
