@@ -416,8 +416,8 @@ def write_report(out: str | Path, config: ChaosConfig, *, start: float, end: flo
     events = {name: _tail_events(out / f"{name}.events.jsonl") for name in names}
     figures = run_figures(events, start=start, end=end, alive=alive, frozen=frozen, faults=faults)
     rounds = {name: _count_outcomes(evs) for name, evs in events.items()}
-    flagged = {name: sorted({c for e in evs if e.get("outcome") == "rejected" for c in e.get("culprits", [])})
-               for name, evs in events.items()}
+    # islands each island flagged, caught in its own rounds or adopted from the others' records
+    flagged = {name: sorted({e["culprit"] for e in evs if e.get("event") == "flag"}) for name, evs in events.items()}
     evals = {name: [e["eval_loss"] for e in evs if e.get("event") == "eval"] for name, evs in events.items()}
     donor_kills = []
     for fault in faults:

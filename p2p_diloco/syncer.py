@@ -542,6 +542,7 @@ class Syncer:
             if island not in self.flagged:
                 logger.error("island %s sent an invalid pseudo-gradient: flagged, its rounds are avoided", island)
                 self.flagged[island] = time.time()
+                self.events({"event": "flag", "culprit": island, "how": "caught"})
         self._bump("rounds_rejected")
         self.events(event | {"outcome": "rejected", "group_size": len(members), "culprits": culprits,
                              "members": sorted(m["island"] for m in members), "t_end": time.time()})
@@ -560,6 +561,7 @@ class Syncer:
                 logger.warning("island %s was flagged by %d of %d other islands: its rounds are avoided",
                                culprit, sum(culprit in flags for flags in voters), len(voters))
                 self.flagged[culprit] = time.time()
+                self.events({"event": "flag", "culprit": culprit, "how": "adopted"})
                 adopted.append(culprit)
         return adopted
 
