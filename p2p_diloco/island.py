@@ -69,6 +69,7 @@ class Reporter:
         self.heal_every, self.forget_after = heal_every, forget_after
         self.known: dict[str, tuple[list[str], float]] = {}  # peer id -> (multiaddrs, last seen)
         self._healing = None
+        self._alone = False
         self._last_heal = 0.0
         self.others: list[IslandProgress] = []
         self.state = "loading"
@@ -113,7 +114,19 @@ class Reporter:
             return
         if self._healing is not None and not self._healing.done():
             return  # the previous attempt is still dialling
+        if self._healing is not None:
+            try:
+                answered = self._healing.result(timeout=0)
+            except Exception as e:
+                answered = None
+                logger.info("reconnecting failed: %r", e)
+            if self._alone and answered:
+                logger.info("reconnect: %d peer(s) answered", answered)
+            self._healing = None
         visible = {record.peer_id for record in self.others}
+        if not visible and self.known and not self._alone:
+            logger.warning("no other island is visible any more; dialling the %d peer(s) we knew", len(self.known))
+        self._alone = not visible
         missing = {peer: maddrs for peer, (maddrs, seen) in self.known.items()
                    if peer not in visible and now - seen < self.forget_after}
         if not visible:

@@ -208,7 +208,7 @@ async def _reconnect(_dht, node, peers: dict, timeout: float) -> int:
     import asyncio
 
     from hivemind.p2p import PeerID
-    from multiaddr import Multiaddr
+    from hivemind.utils.multiaddr import Multiaddr
 
     async def one(peer_id: str, maddrs: list) -> bool:
         peer = PeerID.from_base58(peer_id)

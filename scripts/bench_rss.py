@@ -41,6 +41,8 @@ def main(argv=None) -> int:
     parser.add_argument("--out", default="runs/bench-rss")
     args = parser.parse_args(argv)
     out = Path(args.out)
+    for old in ("lone.events.jsonl", "lone.summary.json", "lone.log", "rss_report.json"):  # a previous run's
+        (out / old).unlink(missing_ok=True)
     swarm = LocalSwarm(out, run_id="rss")
     samples = []
     try:
@@ -71,13 +73,14 @@ def main(argv=None) -> int:
     start, end = measured[0], measured[-1]
     window = max(1, min(10, len(measured) // 4))  # medians of the first and last samples: RSS is noisy
     rows = []
-    for pid in start["rss_kib"]:
-        before = statistics.median(s["rss_kib"].get(pid, 0) for s in measured[:window])
-        after = statistics.median(s["rss_kib"].get(pid, 0) for s in measured[-window:])
+    for pid in end["rss_kib"]:  # every process alive at the end (helpers start after the main process)
+        having = [s for s in measured if pid in s["rss_kib"]]
+        before = statistics.median(s["rss_kib"][pid] for s in having[:window])
+        after = statistics.median(s["rss_kib"][pid] for s in having[-window:])
         role = "main" if int(pid) == island.pid else "helper"
         rows.append({"pid": int(pid), "role": role, "rss_mib_before": round(before / 1024, 1),
                      "rss_mib_after": round(after / 1024, 1), "growth_mib": round((after - before) / 1024, 2),
-                     "rss_mib_max": round(max(s["rss_kib"].get(pid, 0) for s in measured) / 1024, 1)})
+                     "rss_mib_max": round(max(s["rss_kib"][pid] for s in having) / 1024, 1)})
     total_growth = sum(r["growth_mib"] for r in rows)
     report = {"failed_rounds": [start["failed_rounds"], end["failed_rounds"]], "processes": rows,
               "total_growth_mib": round(total_growth, 2),
