@@ -57,9 +57,10 @@ def build_parser() -> argparse.ArgumentParser:
 
     chaos = commands.add_parser(
         "chaos", help="run a local swarm with scheduled faults and report what they cost",
-        description="Start a bootstrap node and islands on 127.0.0.1, inject the schedule's faults "
-        "(kill and restart, freeze, bootstrap death) and write report.json (goodput, global downtime, "
-        "stall per failure, time to rejoin) and timeline.png to the output folder.",
+        description="Start a bootstrap node and islands on 127.0.0.1 (or in network namespaces), inject "
+        "the schedule's faults (kill and restart, freeze, bootstrap death, a donor killed mid-download, a "
+        "faulty island, cut or throttled links) and write report.json (goodput, utilization, global "
+        "downtime, stall per failure, time to rejoin) and timeline.png to the output folder.",
     )
     chaos.add_argument("--schedule", default="", metavar="FILE", help="a TOML or YAML schedule (see docs/CHAOS.md)")
     chaos.add_argument("--out", default="", metavar="DIR", help="output folder (default: runs/chaos-<timestamp>)")
