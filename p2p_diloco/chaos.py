@@ -168,9 +168,8 @@ class ChaosRun:
         for name, island in self.swarm.islands.items():
             if not island.alive() or not self.alive[name]:
                 continue
-            life_start = self.alive[name][-1][0]
-            starts = [e for e in _tail_events(self.swarm.events_path(name))
-                      if e.get("event") == "start" and e["t"] >= life_start]
+            self.tails[name].read()
+            starts = [e for e in self.tails[name].marks["start"] if e["t"] >= self.alive[name][-1][0]]
             if starts:
                 host = self.lab.address(self.names.index(name)) if self.lab else "127.0.0.1"
                 maddrs = starts[-1]["maddrs"]
@@ -361,8 +360,9 @@ class ChaosRun:
     def _wait_all_training(self, timeout: float = 240.0) -> None:
         deadline = time.monotonic() + timeout
         while not self.stop.is_set():
-            ready = [n for n in self.names if any(
-                e.get("event") == "step" for e in _tail_events(self.swarm.events_path(n)))]
+            for tail in self.tails.values():
+                tail.read()
+            ready = [n for n in self.names if self.tails[n].marks["step"]]
             if len(ready) == len(self.names):
                 return
             dead = [n for n, island in self.swarm.islands.items() if not island.alive()]
@@ -400,10 +400,9 @@ class ChaosRun:
 
     def report(self, end: float) -> dict:
         """Figures of the run from the islands' own event logs; writes report.json and timeline.png."""
-        spans = lambda table: {n: [tuple(s) for s in v] for n, v in table.items()}  # noqa: E731
         return write_report(self.out, self.config, start=self.t0, end=end, faults=self.faults,
-                            alive=spans(self.alive), frozen=spans(self.frozen), cut=spans(self.cut),
-                            throttled=spans(self.throttled))
+                            alive=_spans(self.alive), frozen=_spans(self.frozen), cut=_spans(self.cut),
+                            throttled=_spans(self.throttled))
 
 
 def write_report(out: str | Path, config: ChaosConfig, *, start: float, end: float, faults: list[dict],
@@ -461,14 +460,17 @@ def reanalyze(out: str | Path) -> dict:
     try:
         old = json.loads(path.read_text())
         config = ChaosConfig.model_validate(old["schedule"])
-        spans = lambda key: {n: [tuple(s) for s in v] for n, v in old.get(key, {}).items()}  # noqa: E731
         network = old.get("network", {})
         return write_report(out, config, start=old["start"], end=old["end"], faults=old["faults"],
-                            alive=spans("alive"), frozen=spans("frozen"),
-                            cut={n: [tuple(s) for s in v] for n, v in network.get("cut", {}).items()},
-                            throttled={n: [tuple(s) for s in v] for n, v in network.get("throttled", {}).items()})
+                            alive=_spans(old.get("alive", {})), frozen=_spans(old.get("frozen", {})),
+                            cut=_spans(network.get("cut", {})), throttled=_spans(network.get("throttled", {})))
     except (OSError, ValueError, KeyError, ValidationError) as e:
         raise ConfigError(f"{path}: not a chaos report that can be recomputed ({e})") from None
+
+
+def _spans(table: dict) -> dict[str, list[tuple[float, float]]]:
+    """island -> its [start, end] intervals as tuples (what the figures take)."""
+    return {name: [tuple(span) for span in spans] for name, spans in table.items()}
 
 
 def _open(spans: list) -> bool:
@@ -485,11 +487,12 @@ def _signal(pid: int, signum: int) -> None:
 
 class EventTail:
     """Reads an island's JSONL event log incrementally (all of its lives); ``seen`` keeps everything,
-    ``marks`` the ``donate`` and ``join_start`` events (what the runner polls for)."""
+    ``marks`` the ``start``, ``join_start`` and ``donate`` events (what the runner polls for) and the
+    first ``step``."""
 
     def __init__(self, path: Path):
         self.path, self.offset, self.seen = path, 0, []
-        self.marks: dict[str, list[dict]] = {"donate": [], "join_start": []}
+        self.marks: dict[str, list[dict]] = {"start": [], "join_start": [], "donate": [], "step": []}
         self._partial = ""
 
     def read(self) -> list[dict]:
@@ -511,8 +514,9 @@ class EventTail:
                 continue
         self.seen += new
         for event in new:
-            if event.get("event") in self.marks:
-                self.marks[event["event"]].append(event)
+            kind = event.get("event")
+            if kind in self.marks and not (kind == "step" and self.marks["step"]):  # one step is enough
+                self.marks[kind].append(event)
         return new
 
 

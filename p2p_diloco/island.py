@@ -55,18 +55,21 @@ class Reporter:
         None); called every ``heal_every`` seconds for islands this one knew but no longer sees, and
         for the initial peers while it sees nobody (see :func:`transport.reconnect_peers`)
     :param initial: the initial peers, {peer id: multiaddrs}
+    :param on_records: takes the other islands' records after each read
     """
 
     def __init__(self, board: ProgressBoard, build_record: Callable[[str], IslandProgress], *, period: float,
                  ttl: float, fingerprint: str, island: str, show: Callable[[list, int], None],
                  health: Callable[[], Optional[str]], on_failure: Callable[[], None],
                  reconnect: Optional[Callable[[dict], object]] = None, initial: Optional[dict] = None,
-                 heal_every: float = 5.0, forget_after: float = 600.0):
+                 heal_every: float = 5.0, forget_after: float = 600.0,
+                 on_records: Optional[Callable[[list], None]] = None):
         self.board, self.build_record, self.period, self.ttl = board, build_record, period, ttl
         self.fingerprint, self.island, self.show = fingerprint, island, show
         self.health, self.on_failure = health, on_failure
         self.reconnect, self.initial = reconnect, dict(initial or {})
         self.heal_every, self.forget_after = heal_every, forget_after
+        self.on_records = on_records
         self.known: dict[str, tuple[list[str], float]] = {}  # peer id -> (multiaddrs, last seen)
         self._healing = None
         self._alone = False
@@ -97,6 +100,8 @@ class Reporter:
                     return
                 self.board.publish(self.build_record(self.state), self.ttl)
                 self.others = [r for r in self.board.read() if r.island != self.island]
+                if self.on_records is not None:
+                    self.on_records(self.others)
                 self._heal()
                 self.show(self.others, tick)
             except Exception as e:  # a display or record bug must not silence the island
@@ -291,7 +296,10 @@ class Island:
                                      fingerprint=self.fingerprint, island=config.island, show=self._show,
                                      health=self._health, on_failure=self.stop.event.set,
                                      reconnect=lambda peers: transport.reconnect_peers(self.dht, peers),
-                                     initial=transport.peers_by_id(self.peers))
+                                     initial=transport.peers_by_id(self.peers),
+                                     # learn which islands the swarm caught sending garbage (a restart forgets)
+                                     on_records=lambda others: self.syncer.adopt_flags(
+                                         [(r.island, r.flagged) for r in others if r.fingerprint == self.fingerprint]))
             self.reporter.start()
             if self.resume is not None:
                 self._restore()
@@ -440,8 +448,6 @@ class Island:
         )
 
     def _show(self, others: list[IslandProgress], tick: int) -> None:
-        # learn which islands the swarm caught sending garbage (a restarted island forgot)
-        self.syncer.adopt_flags([(r.island, r.flagged) for r in others if r.fingerprint == self.fingerprint])
         stats, sync = self.learner.stats, self.syncer.stats
         loss = f"{stats.loss_ema:.3f}" if stats.loss_ema is not None else "-"
         eval_loss = f"{stats.eval_loss:.3f}" if stats.eval_loss is not None else "-"

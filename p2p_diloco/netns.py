@@ -108,6 +108,10 @@ class Lab:
         """Command prefix that runs a program inside island i's namespace (same PID: ip execs it)."""
         return ["ip", "netns", "exec", self.namespaces[i]]
 
+    def _ends(self, i: int) -> list[tuple[list[str], str]]:
+        """Island i's link as (command prefix, device) for its bridge end and its namespace end."""
+        return [([], self.veths[i]), (self.prefix(i), "eth0")]
+
     def cut(self, i: int) -> None:
         """Disconnect island i (its bridge end goes down; packets are dropped both ways)."""
         _run("ip", "link", "set", self.veths[i], "down")
@@ -118,13 +122,13 @@ class Lab:
 
     def throttle(self, i: int, rate: str, burst: str = "64kb", latency: str = "100ms") -> None:
         """Limit island i's link to ``rate`` (tc syntax, e.g. "20mbit") in both directions with tc tbf."""
-        for prefix, dev in (([], self.veths[i]), (self.prefix(i), "eth0")):
+        for prefix, dev in self._ends(i):
             _run(*prefix, "tc", "qdisc", "replace", "dev", dev, "root", "tbf", "rate", rate, "burst", burst,
                  "latency", latency)
 
     def unthrottle(self, i: int) -> None:
         """Remove island i's rate limit."""
-        for prefix, dev in (([], self.veths[i]), (self.prefix(i), "eth0")):
+        for prefix, dev in self._ends(i):
             _run(*prefix, "tc", "qdisc", "del", "dev", dev, "root", check=False)
 
     def close(self) -> None:

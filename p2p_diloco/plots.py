@@ -44,12 +44,7 @@ def plot_loss_vs_tokens(event_logs: Mapping[str, str | Path], out_path: str | Pa
     ax.grid(alpha=0.3)
     if ax.get_legend_handles_labels()[0]:
         ax.legend(fontsize=8, ncol=2)
-    fig.tight_layout()
-    out = Path(out_path)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(out)
-    plt.close(fig)
-    return out
+    return _save(fig, out_path)
 
 
 def plot_timeline(events: Mapping[str, list], *, alive: Mapping[str, list], frozen: Mapping[str, list],
@@ -101,6 +96,13 @@ def plot_timeline(events: Mapping[str, list], *, alive: Mapping[str, list], froz
     ax.set_ylim(-0.6, len(names) + 1.2)
     ax.set_xlabel("seconds since every island trained")
     ax.legend(handles=[Patch(color=c, label=s) for s, c in colors.items()], loc="upper right", fontsize=8, ncol=6)
+    return _save(fig, out_path)
+
+
+def _save(fig, out_path: str | Path) -> Path:
+    """Lay out, write and close a figure; returns the PNG's path."""
+    import matplotlib.pyplot as plt
+
     fig.tight_layout()
     out = Path(out_path)
     out.parent.mkdir(parents=True, exist_ok=True)
