@@ -10,7 +10,8 @@ identity), ``freeze`` (SIGSTOP the island's whole process tree for ``duration`` 
 SIGCONT: a straggler), ``kill_bootstrap`` (the islands keep training and a restarted island joins
 through a live island's address), ``kill_donor`` (the island restarts, and whichever island serves
 its state download is SIGKILLed mid-download: the joiner fails over to another donor), ``corrupt``
-(the island restarts sending NaN, Inf or 1e30 pseudo-gradients), and, with ``network = "netns"``
+(the running island starts sending NaN, Inf or 1e30 pseudo-gradients, on SIGUSR2; for ``duration``
+seconds when given, else until the end, restarts included), and, with ``network = "netns"``
 (each island in its own network namespace, see :mod:`p2p_diloco.netns`), ``cut`` (the island's link
 goes down for ``duration`` seconds) and ``throttle`` (its link is limited to ``rate`` with tc tbf).
 """
@@ -49,7 +50,10 @@ class Fault(BaseModel):
     restart_after: Optional[float] = Field(
         None, gt=0.0, description="kill: restart the island this many seconds later; kill_donor: the donor"
     )
-    duration: float = Field(10.0, gt=0.0, description="freeze, cut, throttle: seconds until it ends")
+    duration: Optional[float] = Field(
+        None, gt=0.0, description="freeze, cut, throttle (default 10): seconds until it ends; corrupt: seconds "
+        "the island stays faulty (default: for good)",
+    )
     value: Literal["nan", "inf", "huge"] = Field("nan", description="corrupt: what the faulty island sends")
     rate: str = Field("20mbit", pattern=r"^[0-9.]+[kmg]?bit$", description="throttle: tc rate, e.g. 20mbit")
 
@@ -104,6 +108,8 @@ def load_schedule(path: str) -> ChaosConfig:
         raise ConfigError(f"schedule {path}: {format_validation_error(e)}") from None
     names = {f"island-{i}" for i in range(config.islands)}
     for fault in config.faults:
+        if fault.duration is None and fault.kind in ("freeze", "cut", "throttle"):
+            fault.duration = 10.0
         if fault.kind != "kill_bootstrap" and fault.island not in names:
             raise ConfigError(f"schedule {path}: fault at {fault.at} s names island {fault.island!r}, "
                               f"expected one of {', '.join(sorted(names))}")
@@ -127,7 +133,7 @@ class ChaosRun:
         self.lab = None  # p2p_diloco.netns.Lab with network = "netns"
         self.tails = {name: EventTail(self.swarm.events_path(name)) for name in self.names}
         self.donor_watch: list[dict] = []  # kill_donor faults waiting for a donation to the joiner
-        self.extra: dict[str, tuple[str, ...]] = {}  # flags an island keeps across restarts (a faulty island)
+        self.faulty: dict[str, str] = {}  # island -> what it sends while faulty (kept across restarts)
         self._closed = False
         self.t0 = 0.0
 
@@ -148,7 +154,16 @@ class ChaosRun:
             *(["--debug-donate-delay", str(config.donate_delay)]
               if any(f.kind == "kill_donor" for f in config.faults) else []),
             *config.island_args,
+            *self._corrupt_args(f"island-{index}"),
         ]
+
+    def _corrupt_args(self, name: str) -> list[str]:
+        """A faulty island that restarts while faulty sends garbage from its start; an island with a
+        corrupt fault ahead turns faulty on SIGUSR2 (no restart, so no start-up cost)."""
+        if name in self.faulty:
+            return ["--debug-corrupt-outer", self.faulty[name]]
+        values = [f.value for f in self.config.faults if f.kind == "corrupt" and f.island == name]
+        return ["--debug-corrupt-outer", values[0], "--debug-corrupt-on-signal"] if values else []
 
     def checkpoint_dir(self, index: int) -> Path:
         """Island ``index``'s own checkpoint folder (used when the schedule sets checkpoint_every)."""
@@ -157,7 +172,7 @@ class ChaosRun:
     def _start(self, name: str, initial_peers: Optional[list[str]] = None) -> None:
         index = self.names.index(name)
         where = dict(host=self.lab.address(index), prefix=self.lab.prefix(index)) if self.lab else {}
-        self.swarm.start_island(name, *self.island_args(index), *self.extra.get(name, ()),
+        self.swarm.start_island(name, *self.island_args(index),
                                 initial_peers=initial_peers, **where)
         self.alive[name].append([time.time(), float("inf")])
 
@@ -175,6 +190,11 @@ class ChaosRun:
                 maddrs = starts[-1]["maddrs"]
                 peers += [m for m in maddrs if f"/{host}/" in m] or maddrs
         return peers or list(self.swarm.initial_peers)
+
+    def _started(self, name: str) -> bool:
+        """The island's current life has logged its start (signal handlers are installed by then)."""
+        self.tails[name].read()
+        return any(e["t"] >= self.alive[name][-1][0] for e in self.tails[name].marks["start"])
 
     def _record(self, kind: str, island: str = "", **extra) -> None:
         fault = {"t": time.time(), "kind": kind, "island": island, **extra}
@@ -248,7 +268,7 @@ class ChaosRun:
             if alive:
                 return self._skip(kind, name, "already running")
             self._start(name, initial_peers=self._live_peers())
-            self._record("restart", name, **({"faulty": True} if name in self.extra else {}))
+            self._record("restart", name, **({"faulty": True} if name in self.faulty else {}))
             return None
         if kind == "freeze":
             if not alive or _open(self.frozen[name]):
@@ -268,13 +288,19 @@ class ChaosRun:
             span[1] = time.time()
             self._record("thaw", name)
             return None
-        if kind == "corrupt":  # the island turns faulty: it restarts sending garbage pseudo-gradients
+        if kind in ("corrupt", "heal"):  # SIGUSR2 toggles the island between faulty and honest
+            if (kind == "corrupt") == (name in self.faulty):
+                return self._skip(kind, name, "faulty already" if kind == "corrupt" else "not faulty")
+            if alive and not self._started(name):
+                return self._skip(kind, name, "still starting")  # SIGUSR2 before its handler would kill it
+            if kind == "corrupt":
+                self.faulty[name] = fault["value"]
+            else:
+                del self.faulty[name]
             if alive:
-                self._kill(name)
-            self.extra[name] = ("--debug-corrupt-outer", fault["value"])  # faulty hardware stays faulty
-            self._start(name, initial_peers=self._live_peers())
-            self._record("corrupt", name, value=fault["value"])
-            return None
+                _signal(self.swarm.islands[name].pid, signal.SIGUSR2)
+            self._record(kind, name, **({"value": fault["value"]} if kind == "corrupt" else {}))
+            return (fault["duration"], "heal", fault) if kind == "corrupt" and fault.get("duration") else None
         if kind == "kill_bootstrap":
             if self.swarm.bootstrap is None or not self.swarm.bootstrap.alive():
                 return self._skip(kind, "", "not running")
@@ -285,7 +311,7 @@ class ChaosRun:
             if alive:
                 self._kill(name)
             self._start(name, initial_peers=self._live_peers())
-            self._record("restart", name, why="kill_donor", **({"faulty": True} if name in self.extra else {}))
+            self._record("restart", name, why="kill_donor", **({"faulty": True} if name in self.faulty else {}))
             self.donor_watch.append({"joiner": name, "since": time.time(), "joining": False,
                                      "restart_after": fault.get("restart_after")})
             return None

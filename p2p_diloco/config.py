@@ -110,6 +110,10 @@ class OuterConfig(_Section):
     max_delta: float = Field(
         1.0, gt=0.0, description="largest |pseudo-gradient| element exchanged; larger elements are clipped"
     )
+    flag_probation: float = Field(
+        120.0, gt=0.0, description="seconds an island caught sending garbage (NaN, Inf, huge) is kept out of "
+        "rounds; doubled each time it is caught again",
+    )
 
     @property
     def fragment_budget(self) -> float:
@@ -151,6 +155,10 @@ class PeerConfig(_Section):
     checkpoint_keep: int = Field(3, ge=1, description="how many checkpoints to keep")
     debug_corrupt_outer: Literal["", "nan", "inf", "huge"] = Field(
         "", description="testing only: send NaN, Inf or 1e30 pseudo-gradients, as a faulty island would"
+    )
+    debug_corrupt_on_signal: bool = Field(
+        False, description="testing only: with --debug-corrupt-outer, send garbage only between SIGUSR2s "
+        "(the first turns the island faulty, the next one heals it, and so on)",
     )
     debug_donate_delay: float = Field(
         0.0, ge=0.0, le=10.0,

@@ -6,6 +6,7 @@ import json
 import logging
 import math
 import os
+import signal
 import sys
 import tempfile
 import threading
@@ -264,6 +265,11 @@ class Island:
         config = self.config
         if self.stop.event.is_set():
             raise Interrupted("interrupted before joining the swarm")
+        self.corrupting = "" if config.debug_corrupt_on_signal else config.debug_corrupt_outer
+        if config.debug_corrupt_outer and config.debug_corrupt_on_signal:  # before the start event
+            signal.signal(signal.SIGUSR2, self._toggle_corrupt)
+            logger.warning("testing mode: SIGUSR2 makes this island send %s pseudo-gradients",
+                           config.debug_corrupt_outer)
         validators, public_key = make_validators(config.run_id)
         self.dht = transport.start_dht(
             initial_peers=self.peers, host_maddrs=config.host_maddrs, announce_maddrs=config.announce_maddrs,
@@ -282,10 +288,11 @@ class Island:
             self.syncer = Syncer(
                 run_id=config.run_id, fingerprint=self.fingerprint, island=config.island, config=config.outer,
                 layout=self.layout, shapes=self.shapes, learner=self.learner, events=self.events,
-                swarm_bases=lambda: self.reporter.swarm_bases(), corrupt=config.debug_corrupt_outer,
+                swarm_bases=lambda: self.reporter.swarm_bases(),
+                corrupt=self.corrupting,
                 donate_delay=config.debug_donate_delay,
             )
-            if config.debug_corrupt_outer:
+            if config.debug_corrupt_outer and not config.debug_corrupt_on_signal:
                 logger.warning("testing mode: this island sends %s pseudo-gradients", config.debug_corrupt_outer)
             try:
                 self.syncer.create_averagers(self.dht)  # processes forked from the main thread
@@ -430,6 +437,19 @@ class Island:
         return summary
 
     # ------------------------------------------------------------------ reporting
+
+    def _toggle_corrupt(self, _signum, _frame) -> None:
+        """SIGUSR2 (testing only, ``--debug-corrupt-on-signal``): turn faulty, or healthy again."""
+        faulty = "" if self.corrupting else self.config.debug_corrupt_outer
+        self.corrupting = faulty
+        if self.syncer is not None:
+            self.syncer.corrupt = faulty  # read by the round threads at their next round
+
+        def note() -> None:  # not in the handler: the main thread may hold the event log's lock
+            self.events({"event": "corrupt", "value": faulty})
+            logger.warning("testing mode: this island now sends %s pseudo-gradients", faulty or "honest")
+
+        threading.Thread(target=note, name="corrupt-note", daemon=True).start()
 
     def _record(self, state: str) -> IslandProgress:
         stats, sync, learner = self.learner.stats, self.syncer.stats, self.learner

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import hashlib
 import math
-from typing import Iterable, Sequence
+from typing import Iterable, Optional, Sequence
 
 import torch
 
@@ -157,6 +157,50 @@ def encode_for_wire(delta: Tensors, out: Tensors, offset: float) -> None:
     """
     for source, target in zip(delta, out, strict=True):
         torch.add(source, offset, out=target)
+
+
+@torch.no_grad()
+def find_unaveraged(merged: Tensors, delta: Tensors, offset: float, min_run: int = 1024) -> Optional[list[torch.Tensor]]:
+    """The parts of a round's merged pseudo-gradient that no reducer averaged, as boolean masks
+    shaped like the tensors (None when there are none).
+
+    hivemind's all-reduce drops a member that stops answering mid-round (a frozen or cut-off island)
+    instead of failing the whole group: senders that miss ``sender_timeout`` are left out of the
+    average, and each member keeps *its own* values for the part a failed reducer owned. Those
+    parts differ from member to member; the syncer sets them to zero (no outer update there this
+    round, the same on every member that saw the same failure) and keeps the island's local progress
+    there for the next round.
+
+    A failed part is a contiguous run of elements (in hivemind's flattened order: the tensors in
+    sequence) where the merged values equal exactly what this member sent, ``C + Delta``. Averaged
+    elements equal it only where every member sent the same value, and then every member finds them
+    alike. ``min_run`` (elements) keeps isolated coincidences out.
+
+    :param merged: avg - C per tensor (from :func:`decode_from_wire`), fp32
+    :param delta: the clipped pseudo-gradient this member sent (before :func:`encode_for_wire`)
+    :param offset: C, as used by :func:`encode_for_wire`
+    :param min_run: shortest run of unchanged elements taken for a failed part
+    """
+    if not merged:
+        return None
+    same = torch.cat([(m + offset == d + offset).reshape(-1) for m, d in zip(merged, delta, strict=True)])
+    if not bool(same.any()):
+        return None
+    # run boundaries of `same`: +1 where a run starts, -1 one past where it ends
+    padded = torch.cat([torch.zeros(1, dtype=torch.int8), same.to(torch.int8), torch.zeros(1, dtype=torch.int8)])
+    edges = torch.diff(padded)
+    starts, ends = torch.nonzero(edges == 1).flatten(), torch.nonzero(edges == -1).flatten()
+    long = (ends - starts) >= min_run
+    if not bool(long.any()):
+        return None
+    drop = torch.zeros(same.numel(), dtype=torch.bool)
+    for start, end in zip(starts[long].tolist(), ends[long].tolist()):
+        drop[start:end] = True
+    masks, position = [], 0
+    for tensor in merged:
+        masks.append(drop[position:position + tensor.numel()].view_as(tensor))
+        position += tensor.numel()
+    return masks
 
 
 def wire_bound(max_delta: float, offset: float) -> float:

@@ -150,7 +150,8 @@ class Syncer:
         self.clock = RoundClock(config.period, layout.num_fragments)
         self.offset = outer.wire_offset(config.max_delta)
         self.bound = outer.wire_bound(config.max_delta, self.offset)
-        self.flagged: dict[str, float] = {}  # islands caught sending garbage -> when
+        self.flagged: dict[str, float] = {}  # islands caught sending garbage -> until when (wall clock)
+        self.strikes: dict[str, int] = {}  # times each island was flagged (its probation doubles each time)
         self.stats = SyncerStats()
         self.states: list[Optional[FragmentState]] = [None] * layout.num_fragments
         self.averagers: list = []
@@ -488,19 +489,33 @@ class Syncer:
             return
 
         members = [m for m in (gathered or {}).values() if _valid_member(m)]
+        base = snapshot.params  # what the learner's progress is measured from when the result lands
+        event["unaveraged"] = 0.0  # share of the fragment no reducer averaged (zeroed): a dropped member
         if gathered is not None and len(members) >= 2:
             with averager.get_tensors() as wire:
                 merged = outer.decode_from_wire(wire, self.offset)
             if not outer.within_bound(merged, self.bound):
                 self._reject(members, event)
                 return
+            # a member that stopped answering mid-round was dropped by hivemind: no outer update in the
+            # parts it was to reduce (alike on every member), and the island keeps its local progress
+            # there for the next round (see outer.find_unaveraged)
+            size = sum(t.numel() for t in merged)
+            masks = outer.find_unaveraged(merged, delta, self.offset, min_run=min(1024, max(2, size // 64)))
+            if masks is not None:
+                for tensor, mask in zip(merged, masks):
+                    tensor.masked_fill_(mask, 0.0)  # +0.0: the same bits on every member
+                base = [torch.where(mask, theta, local) for mask, theta, local in zip(masks, state.theta, base)]
+                event["unaveraged"] = sum(int(mask.sum()) for mask in masks) / max(1, size)
+        if gathered is not None and len(members) >= 2 and event["unaveraged"] < 1.0:
             new_state = self._apply_group_result(p, state, members, merged, delta, event)
         else:
             new_state = self._stepped(state, delta, state.version + 1, 1)
             self._bump("rounds_failed")
             event |= {"outcome": "fallback", "group_size": 1 if gathered is None else len(members)}
         if new_state is not state:
-            self._hand_over(p, new_state, base=snapshot.params, reason=event["outcome"])
+            self._hand_over(p, new_state, base=base if event["outcome"] == "ok" else snapshot.params,
+                            reason=event["outcome"])
         self.events(event | {"new_version": new_state.version, "new_hash": new_state.hash, "t_end": time.time()})
 
     def _apply_group_result(self, p: int, state: FragmentState, members: list[dict], merged: list[torch.Tensor],
@@ -540,9 +555,9 @@ class Syncer:
                           and not _reported_within(m.get("delta_max"), self.bound))
         for island in culprits:
             if island not in self.flagged:
-                logger.error("island %s sent an invalid pseudo-gradient: flagged, its rounds are avoided", island)
-                self.flagged[island] = time.time()
-                self.events({"event": "flag", "culprit": island, "how": "caught"})
+                seconds = self._flag(island, "caught")
+                logger.error("island %s sent an invalid pseudo-gradient: flagged, its rounds are avoided for %.0f s",
+                             island, seconds)
         self._bump("rounds_rejected")
         self.events(event | {"outcome": "rejected", "group_size": len(members), "culprits": culprits,
                              "members": sorted(m["island"] for m in members), "t_end": time.time()})
@@ -550,29 +565,50 @@ class Syncer:
     def adopt_flags(self, reports: Sequence[tuple[str, Sequence[str]]]) -> list[str]:
         """Flag the islands that a strict majority of the other live islands flagged (their records'
         ``flagged``), so that a restarted island keeps away from a faulty one at once instead of
-        meeting it under the default group key first. ``reports``: (island, islands it flagged) of
-        the other live islands. Returns the islands newly flagged."""
+        meeting it under the default group key first. Only islands this one never flagged: otherwise
+        islands would re-adopt each other's flags and no probation would ever end. ``reports``:
+        (island, islands it flagged) of the other live islands. Returns the islands newly flagged."""
         adopted = []
         for culprit in sorted({c for _, flags in reports for c in flags}):
-            if culprit == self.island or culprit in self.flagged:
-                continue
+            if culprit == self.island or culprit in self.strikes:
+                continue  # ours to judge: we caught it (or adopted it) before, and its probation is ours
             voters = [flags for island, flags in reports if island != culprit]
             if voters and 2 * sum(culprit in flags for flags in voters) > len(voters):
                 logger.warning("island %s was flagged by %d of %d other islands: its rounds are avoided",
                                culprit, sum(culprit in flags for flags in voters), len(voters))
-                self.flagged[culprit] = time.time()
-                self.events({"event": "flag", "culprit": culprit, "how": "adopted"})
+                self._flag(culprit, "adopted")
                 adopted.append(culprit)
         return adopted
 
+    def _flag(self, island: str, how: str) -> float:
+        """Keep ``island`` out of our rounds for its probation (``flag_probation``, doubled with each
+        strike: a transient fault costs little, a persistent one is retried ever more rarely, and a
+        retry costs one rejected round, no inner progress). Returns the probation in seconds."""
+        self.strikes[island] = self.strikes.get(island, 0) + 1
+        seconds = self.config.flag_probation * 2.0 ** min(self.strikes[island] - 1, 16)
+        self.flagged[island] = time.time() + seconds
+        self.events({"event": "flag", "culprit": island, "how": how, "seconds": seconds})
+        return seconds
+
+    def _expire_flags(self) -> None:
+        """End the probations that are over: those islands may join our rounds again."""
+        now = time.time()
+        for island, until in list(self.flagged.items()):
+            if until <= now and self.flagged.pop(island, None) is not None:
+                logger.warning("island %s: probation over, its rounds are no longer avoided", island)
+                self.events({"event": "unflag", "culprit": island})
+
     def _keep_away_from_flagged(self, averager) -> None:
         """Meet only islands that flagged the same ones: the group key gets bits derived from the
-        flagged names (hivemind changes non-empty bits after each round, so they are set every time)."""
-        if not self.flagged:
-            return
-        digest = hashlib.sha256("|".join(sorted(list(self.flagged))).encode()).digest()
+        flagged names (hivemind changes non-empty bits after each round, so they are set every time),
+        and no bits once no island is flagged any more."""
+        self._expire_flags()
+        flagged = sorted(list(self.flagged))
+        if not flagged and not self.strikes:
+            return  # never flagged anyone: the default key, untouched
+        bits = format(hashlib.sha256("|".join(flagged).encode()).digest()[0], "08b") if flagged else ""
         try:
-            averager.set_group_bits(format(digest[0], "08b"))
+            averager.set_group_bits(bits)
         except Exception as e:
             logger.debug("could not set group bits: %r", e)
 

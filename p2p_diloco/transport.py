@@ -273,6 +273,18 @@ def next_chunk_timeout(allreduce_timeout: float) -> float:
     return max(1.0, allreduce_timeout / 2)
 
 
+def sender_timeout(allreduce_timeout: float) -> float:
+    """Seconds a reducer waits for a member's data before leaving that member out of the average."""
+    return allreduce_timeout / 3
+
+
+def reducer_timeout(allreduce_timeout: float) -> float:
+    """Seconds a member waits for the next averaged chunk from a reducer before keeping its own
+    values for that reducer's part; above :func:`sender_timeout`, as hivemind requires, and well
+    inside the round's timeout, so the round still ends in time."""
+    return 0.6 * allreduce_timeout
+
+
 def make_fragment_averager(
     tensors: Sequence[torch.Tensor],
     dht,
@@ -310,8 +322,10 @@ def make_fragment_averager(
         min_matchmaking_time=matchmaking_time,
         request_timeout=request_timeout,
         allreduce_timeout=allreduce_timeout,
-        sender_timeout=chunk_timeout,
-        reducer_timeout=2.0 * chunk_timeout + 0.1,
+        # a member that stops answering is dropped from the round well before the round's own
+        # timeout, so the others finish without it (outer.find_unaveraged handles its part)
+        sender_timeout=sender_timeout(allreduce_timeout),
+        reducer_timeout=reducer_timeout(allreduce_timeout),
         next_chunk_timeout=chunk_timeout,
         allow_state_sharing=False,
         declare_state_period=10.0,

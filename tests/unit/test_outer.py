@@ -122,6 +122,58 @@ def test_wire_encoding_makes_every_member_receive_the_same_bits():
     torch.testing.assert_close(merged, reference, rtol=0, atol=4 * offset * 2**-24)
 
 
+def test_parts_of_a_failed_reducer_are_zeroed_alike_on_every_member():
+    """hivemind leaves each member its own values for the part a failed reducer owned; with the
+    parts find_unaveraged finds set to zero, every member holds the same merged pseudo-gradient, averaged where a reducer
+    answered and zero in the failed part."""
+    offset, weights = outer.wire_offset(1.0), [1.0, 2.0, 0.5]
+    generator = torch.Generator().manual_seed(5)
+    shapes = [(60, 50), (1000,), (7,)]  # 4007 elements, flattened in this order as hivemind does
+    deltas = [[torch.randn(shape, generator=generator) * 1e-3 for shape in shapes] for _ in weights]
+    for delta in deltas:
+        delta[0][20:40] = 0.25  # every member sent the same values here (an all-equal region)
+    wires = [[torch.empty(shape) for shape in shapes] for _ in weights]
+    for delta, wire in zip(deltas, wires):
+        outer.encode_for_wire(delta, wire, offset)
+    flat = [torch.cat([t.reshape(-1) for t in wire]) for wire in wires]
+    avg = _hivemind_reduce([f.clone() for f in flat], weights)
+    failed = slice(1200, 3300)  # the failed reducer's part crosses a tensor boundary
+    merged_by_member = []
+    for own in flat:
+        received = own + (avg - own)
+        received[failed] = own[failed]  # hivemind: register_failed_reducer keeps the local part
+        pieces, position = [], 0
+        for shape in shapes:
+            n = torch.Size(shape).numel()
+            pieces.append(received[position:position + n].view(shape).clone())
+            position += n
+        merged_by_member.append(outer.decode_from_wire(pieces, offset))
+    zeroed = []
+    for merged, delta in zip(merged_by_member, deltas):
+        masks = outer.find_unaveraged(merged, delta, offset)
+        for tensor, mask in zip(merged, masks):
+            tensor.masked_fill_(mask, 0.0)
+        zeroed.append(sum(int(mask.sum()) for mask in masks))
+    first = merged_by_member[0]
+    for merged in merged_by_member[1:]:
+        assert all(torch.equal(a, b) for a, b in zip(first, merged))  # bitwise identical on every member
+    flat_merged = torch.cat([t.reshape(-1) for t in first])
+    assert torch.equal(flat_merged[failed], torch.zeros(2100))
+    assert not torch.signbit(flat_merged[failed]).any()  # +0.0 everywhere: same bits, same hash
+    reference = torch.cat([t.reshape(-1) for t in outer.weighted_mean(deltas, weights)])
+    kept = torch.ones(4007, dtype=torch.bool)
+    kept[failed] = False
+    kept[1000:2000] = False  # the all-equal region (rows 20..39 of the first tensor) is zeroed alike too
+    torch.testing.assert_close(flat_merged[kept], reference[kept], rtol=0, atol=4 * offset * 2**-24)
+    assert zeroed == [zeroed[0]] * 3 and 2100 <= zeroed[0] <= 2100 + 1000
+    # a round where every reducer answered changes nothing, and neither do short coincidences
+    merged = outer.decode_from_wire([avg.clone()], offset)
+    sent = [torch.cat([t.reshape(-1) for t in deltas[0]])]
+    sent[0][1000:2000] = 0.3  # no longer all-equal: this member's values differ from the average
+    merged[0][:10] = sent[0][:10]  # 10 elements that happen to equal the average
+    assert outer.find_unaveraged(merged, sent, offset) is None
+
+
 def test_canonical_base():
     assert outer.canonical_base([(3, "b"), (4, "z"), (3, "a")]) == (4, "z")  # newest version wins
     assert outer.canonical_base([(4, "z"), (4, "a"), (4, "z")]) == (4, "z")  # then the majority

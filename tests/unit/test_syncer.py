@@ -45,8 +45,8 @@ class FakeControl:
 class FakeGroup:
     """All members call step(); once ``size`` arrived, each gets y_i + (avg - y_i) like hivemind."""
 
-    def __init__(self, size: int, fail: bool = False):
-        self.size, self.fail = size, fail
+    def __init__(self, size: int, fail: bool = False, failed_tensor: int = -1):
+        self.size, self.fail, self.failed_tensor = size, fail, failed_tensor
         self.arrived: list = []
         self.gathered: dict = {}
         self.done = threading.Event()
@@ -69,7 +69,8 @@ class FakeGroup:
                 avg = acc.div_(sum(weights))
                 for averager, _, _ in self.arrived:
                     buffer = averager.buffers[index]
-                    buffer.add_(avg - buffer)
+                    if index != self.failed_tensor:  # hivemind: a failed reducer's part stays as sent
+                        buffer.add_(avg - buffer)
             self.gathered = {f"peer{i}": gather for i, (_, gather, _) in enumerate(self.arrived)}
         self.done.set()
 
@@ -153,11 +154,35 @@ def test_members_with_the_same_base_end_identical_at_the_nesterov_step_of_the_me
     assert a.stats.rounds_ok == 1 and a.stats.bytes_sent > 0
 
 
+def test_a_part_no_reducer_averaged_gets_no_outer_update_and_keeps_the_local_progress():
+    theta = _params(0)
+    local_a, local_b = [t - 0.01 * g for t, g in zip(theta, _params(1))], [t - 0.02 * g for t, g in zip(theta, _params(2))]
+    a, learner_a, events_a = _syncer("a", theta, local_a)
+    b, _, events_b = _syncer("b", theta, local_b)
+    group = FakeGroup(2, failed_tensor=1)  # the reducer of the second tensor stopped answering
+    a.averagers, b.averagers = [FakeAverager(a, group)], [FakeAverager(b, group)]
+    _round(a, b)
+    assert events_a[-1]["outcome"] == events_b[-1]["outcome"] == "ok"
+    assert events_a[-1]["unaveraged"] == events_b[-1]["unaveraged"] == pytest.approx(0.4)  # 4 of 10 elements
+    assert a.states[0].hash == b.states[0].hash  # the same Theta on both members
+    merged = outer.weighted_mean([outer.pseudo_gradient(theta, local_a), outer.pseudo_gradient(theta, local_b)],
+                                 [1.0, 1.0])
+    merged[1] = torch.zeros_like(merged[1])
+    expected = [t.clone() for t in theta]
+    outer.outer_step(expected, merged, [torch.zeros_like(t) for t in theta], lr=0.7, momentum=0.9, nesterov=True)
+    for got, want in zip(a.states[0].theta, expected):
+        torch.testing.assert_close(got, want, rtol=0, atol=1e-5)
+    assert torch.equal(a.states[0].theta[1], theta[1])  # no outer update where nobody averaged
+    (update,) = learner_a.updates
+    assert update.mode == "carry" and torch.equal(update.tensors[1], torch.zeros(4))  # local progress kept there
+    torch.testing.assert_close(update.tensors[0], expected[0] - local_a[0])
+
+
 def test_a_member_on_a_fork_reloads_the_result_instead_of_keeping_it():
     theta = _params(0)
     fork = [t + 1e-3 for t in theta]
     a, _, events_a = _syncer("a", theta, [t - 0.01 for t in theta])
-    b, learner_b, events_b = _syncer("b", fork, [t - 0.01 for t in fork])
+    b, learner_b, events_b = _syncer("b", fork, [t - 0.02 for t in fork])
     group = FakeGroup(2)
     a.averagers, b.averagers = [FakeAverager(a, group, donor=b)], [FakeAverager(b, group, donor=a)]
     _round(a, b)
@@ -220,7 +245,7 @@ def test_a_tie_between_forks_is_left_to_the_round():
     assert a._repair_target(0, a.states[0]) is None
     b, _, _ = _syncer("b", theta, theta, bases=lambda: [("d", [0], ["f" * 16]), ("e", [0], ["f" * 16])])  # a majority
     assert b._repair_target(0, b.states[0]) == (0, "f" * 16)
-    b.flagged = {"d": 0.0}  # a flagged island's word does not count
+    b.flagged = {"d": float("inf")}  # a flagged island's word does not count
     assert b._repair_target(0, b.states[0]) is None
 
 
@@ -280,6 +305,27 @@ def test_a_member_sending_garbage_is_rejected_flagged_and_avoided(garbage):
     assert len(bits) == 1 and bits != {""} and faulty[0].averagers[0].group_bits == ""
 
 
+def test_a_flag_ends_after_its_probation_which_doubles_with_each_strike(monkeypatch):
+    theta = _params(0)
+    a, _, events = _syncer("a", theta, theta)
+    a.averagers = [FakeAverager(a, FakeGroup(1, fail=True))]
+    now = [1000.0]
+    monkeypatch.setattr(time, "time", lambda: now[0])
+    assert a._flag("x", "caught") == CONFIG.flag_probation
+    a._keep_away_from_flagged(a.averagers[0])
+    flagged_bits = a.averagers[0].group_bits
+    assert "x" in a.flagged and len(flagged_bits) == 8
+    now[0] += CONFIG.flag_probation - 1
+    a._keep_away_from_flagged(a.averagers[0])
+    assert "x" in a.flagged and a.averagers[0].group_bits == flagged_bits
+    now[0] += 2  # probation over: back to the default group key, where the others meet x again
+    a._keep_away_from_flagged(a.averagers[0])
+    assert "x" not in a.flagged and a.averagers[0].group_bits == ""
+    assert [e["event"] for e in events[-2:]] == ["flag", "unflag"]
+    assert a._flag("x", "caught") == 2 * CONFIG.flag_probation  # caught again: twice as long
+    assert events[-1] == {"event": "flag", "culprit": "x", "how": "caught", "seconds": 2 * CONFIG.flag_probation}
+
+
 class FailedControl(FakeControl):
     """Like hivemind's MPFuture after a failed round: it keeps one exception object and raises it."""
 
@@ -330,3 +376,5 @@ def test_a_restarted_island_adopts_the_flags_of_a_majority():
     assert a.adopt_flags([("b", ["x", "a"]), ("c", ["x"]), ("x", ["b", "c"])]) == ["x"]
     assert "x" in a.flagged and "a" not in a.flagged  # never flags itself
     assert a.adopt_flags([("b", ["x"]), ("c", ["x"])]) == []  # already flagged
+    a.flagged.clear()  # our probation of x is over while the others' still runs
+    assert a.adopt_flags([("b", ["x"]), ("c", ["x"])]) == []  # no re-adopting: our own probation decides
