@@ -456,6 +456,7 @@ def write_report(out: str | Path, config: ChaosConfig, *, start: float, end: flo
             donor_kills.append({"donor": fault["island"], "joiner": fault["joiner"], "t": fault["t"],
                                 "joiner_joined": done, "failover_donors": others,
                                 "join_seconds": round(joined_at - fault["t"], 3) if done else None})
+    faulty = faulty_spans(faults, end)
     report = {
         "schedule": config.model_dump(),
         "start": start, "end": end,
@@ -464,6 +465,7 @@ def write_report(out: str | Path, config: ChaosConfig, *, start: float, end: flo
         "figures": figures.as_dict(),
         "rounds": rounds,
         "flagged": flagged,
+        "faulty": faulty,  # island -> [start, end] of each stretch it sent garbage
         "donor_kills": donor_kills,
         "network": {"cut": {n: s for n, s in cut.items() if s}, "throttled": {n: s for n, s in throttled.items() if s}},
         "eval_loss": {name: {"first": v[0] if v else None, "last": v[-1] if v else None} for name, v in evals.items()},
@@ -472,8 +474,23 @@ def write_report(out: str | Path, config: ChaosConfig, *, start: float, end: flo
     from p2p_diloco.plots import plot_timeline
 
     plot_timeline(events, alive=alive, frozen=frozen, faults=faults, start=start, end=end,
-                  out_path=out / "timeline.png", cut=cut, throttled=throttled)
+                  out_path=out / "timeline.png", cut=cut, throttled=throttled, faulty=faulty)
     return report
+
+
+def faulty_spans(faults: list[dict], end: float) -> dict[str, list[tuple[float, float]]]:
+    """island -> [(start, end)] of the stretches it sent garbage, from the ``corrupt`` and ``heal``
+    records (wall-clock seconds; a stretch with no heal runs to ``end``)."""
+    spans: dict[str, list[tuple[float, float]]] = {}
+    since: dict[str, float] = {}
+    for fault in sorted(faults, key=lambda f: f["t"]):
+        if fault["kind"] == "corrupt":
+            since.setdefault(fault["island"], fault["t"])
+        elif fault["kind"] == "heal" and fault["island"] in since:
+            spans.setdefault(fault["island"], []).append((since.pop(fault["island"]), fault["t"]))
+    for island, t in since.items():
+        spans.setdefault(island, []).append((t, end))
+    return spans
 
 
 def reanalyze(out: str | Path) -> dict:

@@ -145,6 +145,10 @@ class PeerConfig(_Section):
     progress_period: float = Field(2.0, gt=0.0, description="seconds between progress records on the DHT")
     progress_ttl: float = Field(15.0, gt=0.0, description="seconds a progress record lives without refresh")
     join_timeout: float = Field(60.0, gt=0.0, description="seconds to keep trying to reach peers / download state")
+    dht_wait_timeout: float = Field(
+        3.0, gt=0.0, le=60.0, description="seconds a DHT request waits for a peer's reply (hivemind's wait_timeout); "
+        "lower it on a LAN so that a frozen or cut-off peer delays lookups, and so matchmaking, less",
+    )
     slowdown: float = Field(
         1.0, ge=1.0, description="simulate a slower device: each inner step takes this many times longer"
     )

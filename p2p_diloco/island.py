@@ -274,7 +274,7 @@ class Island:
         self.dht = transport.start_dht(
             initial_peers=self.peers, host_maddrs=config.host_maddrs, announce_maddrs=config.announce_maddrs,
             identity_path=self.identity, record_validators=validators, join_timeout=config.join_timeout,
-            stop_event=self.stop.event,
+            stop_event=self.stop.event, wait_timeout=config.dht_wait_timeout,
         )
         summary, stop_reason = None, "error"
         try:

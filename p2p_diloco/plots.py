@@ -49,13 +49,15 @@ def plot_loss_vs_tokens(event_logs: Mapping[str, str | Path], out_path: str | Pa
 
 def plot_timeline(events: Mapping[str, list], *, alive: Mapping[str, list], frozen: Mapping[str, list],
                   faults: list, start: float, end: float, out_path: str | Path,
-                  cut: Optional[Mapping[str, list]] = None, throttled: Optional[Mapping[str, list]] = None) -> Path:
+                  cut: Optional[Mapping[str, list]] = None, throttled: Optional[Mapping[str, list]] = None,
+                  faulty: Optional[Mapping[str, list]] = None) -> Path:
     """One row per island over the run: training (green), loading after a (re)start (orange),
-    frozen by SIGSTOP (blue), down (red); a cut link is a purple stripe and a throttled one a yellow
-    stripe under the row; faults are vertical marks. Times in seconds from ``start``.
+    frozen by SIGSTOP (blue), down (red); a cut link is a purple stripe, a throttled one a yellow
+    stripe and a stretch of sending garbage a black stripe under the row; faults are vertical marks.
+    Times in seconds from ``start``.
 
-    :param events: island -> its events; ``alive``/``frozen``/``cut``/``throttled``: island -> [(start, end)]
-        wall times
+    :param events: island -> its events; ``alive``/``frozen``/``cut``/``throttled``/``faulty``: island ->
+        [(start, end)] wall times
     :returns: the PNG's path
     """
     import matplotlib
@@ -67,7 +69,7 @@ def plot_timeline(events: Mapping[str, list], *, alive: Mapping[str, list], froz
     from p2p_diloco.figures import clip, loading_intervals, step_intervals, subtract
 
     colors = {"training": "#4caf50", "loading": "#ff9800", "frozen": "#2196f3", "down": "#e53935",
-              "link cut": "#8e24aa", "throttled": "#fdd835"}
+              "link cut": "#8e24aa", "throttled": "#fdd835", "faulty": "#212121"}
     names = sorted(events)
     fig, ax = plt.subplots(figsize=(11, 0.6 * len(names) + 2.0), dpi=120)
     for row, name in enumerate(names):
@@ -83,7 +85,7 @@ def plot_timeline(events: Mapping[str, list], *, alive: Mapping[str, list], froz
         }
         for state, intervals in parts.items():
             ax.broken_barh([(a - start, b - a) for a, b in intervals], (row - 0.35, 0.7), color=colors[state])
-        for state, table in (("link cut", cut), ("throttled", throttled)):
+        for state, table in (("link cut", cut), ("throttled", throttled), ("faulty", faulty)):
             intervals = clip([tuple(s) for s in (table or {}).get(name, [])], start, end)
             ax.broken_barh([(a - start, b - a) for a, b in intervals], (row - 0.45, 0.12), color=colors[state])
     for fault in faults:
@@ -95,7 +97,7 @@ def plot_timeline(events: Mapping[str, list], *, alive: Mapping[str, list], froz
     ax.set_xlim(0, end - start)
     ax.set_ylim(-0.6, len(names) + 1.2)
     ax.set_xlabel("seconds since every island trained")
-    ax.legend(handles=[Patch(color=c, label=s) for s, c in colors.items()], loc="upper right", fontsize=8, ncol=6)
+    ax.legend(handles=[Patch(color=c, label=s) for s, c in colors.items()], loc="upper right", fontsize=8, ncol=7)
     return _save(fig, out_path)
 
 

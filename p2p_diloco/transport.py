@@ -130,10 +130,12 @@ def start_dht(
     record_validators: Sequence[Any] = (),
     join_timeout: float = 60.0,
     stop_event: Optional[threading.Event] = None,
+    wait_timeout: float = 3.0,
 ):
     """Start a hivemind DHT, retrying with exponential backoff while the initial peers are unreachable.
 
     :param join_timeout: seconds to keep retrying before giving up
+    :param wait_timeout: seconds a DHT request waits for a reply (hivemind's default: 3)
     :returns: a running ``hivemind.DHT``
     :raises NetworkError: with one line naming the peers, once the retries are spent or stop_event is set
     """
@@ -147,6 +149,7 @@ def start_dht(
         use_relay=False,
         use_auto_relay=False,
         startup_timeout=30,
+        wait_timeout=wait_timeout,
     )
     if announce_maddrs:
         kwargs["announce_maddrs"] = list(announce_maddrs)

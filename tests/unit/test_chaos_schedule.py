@@ -130,3 +130,65 @@ def test_faults_that_do_not_apply_are_skipped_and_spans_stay_consistent(tmp_path
         for island in run.swarm.islands.values():
             island.popen.kill()
             island.popen.wait(5)
+
+
+STAND_IN = """
+import json, signal, sys, time
+def note(*_):
+    with open(sys.argv[2], "a") as f:
+        f.write("usr2\\n")
+signal.signal(signal.SIGUSR2, note)
+time.sleep(0.3)  # still starting: the runner must not signal yet
+with open(sys.argv[1], "a") as f:  # like an island: handlers installed, then the start event
+    f.write(json.dumps({"t": time.time(), "event": "start", "maddrs": []}) + "\\n")
+time.sleep(60)
+"""
+
+
+def test_corrupt_toggles_a_running_island_by_signal_once_it_started(tmp_path):
+    # the stand-in island is a Python process this test owns that records each SIGUSR2 it gets
+    import subprocess
+    import sys
+    import threading
+    import time
+
+    from p2p_diloco.chaos import ChaosConfig, ChaosRun, Fault
+    from p2p_diloco.localswarm import Managed
+
+    fault = Fault(at=5, kind="corrupt", island="island-1", value="inf", duration=30)
+    run = ChaosRun(ChaosConfig(islands=2, faults=[fault]), tmp_path, threading.Event())
+    assert run._corrupt_args("island-1") == ["--debug-corrupt-outer", "inf", "--debug-corrupt-on-signal"]
+    assert run._corrupt_args("island-0") == []
+    signals = tmp_path / "signals.txt"
+    events = run.swarm.events_path("island-1")
+    events.parent.mkdir(parents=True, exist_ok=True)
+    popen = subprocess.Popen([sys.executable, "-c", STAND_IN, str(events), str(signals)])
+    run.swarm.islands["island-1"] = Managed("island-1", popen, tmp_path / "island-1.log")
+    run.alive["island-1"].append([time.time(), float("inf")])
+    try:
+        assert run._apply("corrupt", fault.model_dump()) is None  # not started yet: skipped, not killed
+        assert run.faults[-1]["kind"] == "skipped" and run.faults[-1]["why"] == "still starting"
+        deadline = time.monotonic() + 30
+        while not run._started("island-1") and time.monotonic() < deadline:
+            time.sleep(0.05)
+        heal = run._apply("corrupt", fault.model_dump())
+        assert heal[0] == 30 and heal[1] == "heal" and run.faults[-1]["kind"] == "corrupt"
+        assert run._corrupt_args("island-1") == ["--debug-corrupt-outer", "inf"]  # a restart comes back faulty
+        assert run._apply("corrupt", fault.model_dump()) is None and run.faults[-1]["why"] == "faulty already"
+        assert run._apply(*heal[1:]) is None and run.faults[-1]["kind"] == "heal" and not run.faulty
+        deadline = time.monotonic() + 10
+        while (not signals.exists() or len(signals.read_text().split()) < 2) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert signals.read_text().split() == ["usr2", "usr2"] and popen.poll() is None
+    finally:
+        popen.kill()
+        popen.wait(5)
+
+
+def test_faulty_spans_run_from_corrupt_to_heal_or_the_end():
+    from p2p_diloco.chaos import faulty_spans
+
+    faults = [{"t": 10.0, "kind": "corrupt", "island": "island-1"}, {"t": 12.0, "kind": "freeze", "island": "island-1"},
+              {"t": 40.0, "kind": "heal", "island": "island-1"}, {"t": 50.0, "kind": "corrupt", "island": "island-1"},
+              {"t": 30.0, "kind": "corrupt", "island": "island-2"}, {"t": 35.0, "kind": "heal", "island": "island-0"}]
+    assert faulty_spans(faults, end=100.0) == {"island-1": [(10.0, 40.0), (50.0, 100.0)], "island-2": [(30.0, 100.0)]}
