@@ -61,6 +61,65 @@ def weighted_mean(deltas: Sequence[Tensors], weights: Sequence[float]) -> list[t
     return merged
 
 
+def _exact_norm(tensor: torch.Tensor) -> float:
+    """||tensor||_2 computed the same way on every CPU (an exactly rounded sum of squares in float64),
+    so members that hold the same bits get the same norm."""
+    return math.sqrt(math.fsum((tensor.detach().to(torch.float64).reshape(-1) ** 2).tolist()))
+
+
+def unit_directions(delta: Tensors) -> tuple[list[torch.Tensor], list[float]]:
+    """Per tensor, Delta / ||Delta|| (zeros where ||Delta|| = 0) and ||Delta||: what an island puts on
+    the wire and in the round's gathered metadata for radial-directional averaging (RDA).
+
+    Directions are fp32 with |elements| <= 1 (shapes as ``delta``); norms are Python floats.
+    """
+    units, norms = [], []
+    for tensor in delta:
+        norm = _exact_norm(tensor)
+        units.append(tensor / norm if norm > 0.0 else torch.zeros_like(tensor))
+        norms.append(norm)
+    return units, norms
+
+
+def rda_combine(mean_units: Tensors, mean_norms: Sequence[float], fallback: Tensors, eps: float = 1e-6) -> list[torch.Tensor]:
+    """Recombine averaged directions and norms: per tensor, nbar * ubar / ||ubar||, so that the merged
+    pseudo-gradient points along the weighted mean direction and has the weighted mean norm
+    (radial-directional averaging; Decoupled DiLoCo, arXiv 2604.21428, merging).
+
+    Where the directions cancel (||ubar|| < ``eps``: opposite updates, or all zero) there is no
+    direction to keep, and the tensor of ``fallback`` (the plain weighted mean) is used instead.
+
+    :param mean_units: weighted mean of the members' unit directions, per tensor (fp32)
+    :param mean_norms: weighted mean of the members' norms, per tensor
+    :param fallback: the plain weighted mean of the pseudo-gradients, per tensor
+    """
+    merged = []
+    for ubar, nbar, plain in zip(mean_units, mean_norms, fallback, strict=True):
+        length = _exact_norm(ubar)
+        merged.append(ubar * (nbar / length) if length >= eps and nbar > 0.0 else plain.clone())
+    return merged
+
+
+def rda_mean(deltas: Sequence[Tensors], weights: Sequence[float], eps: float = 1e-6) -> list[torch.Tensor]:
+    """Reference radial-directional average of several islands' pseudo-gradients, per tensor:
+    the weighted mean of unit directions rescaled to the weighted mean of norms
+    (Decoupled DiLoCo, arXiv 2604.21428). One contributor gets its own Delta back; cancelling or
+    all-zero directions fall back to the weighted mean; zero total weight gives zeros (no update),
+    never a division by zero.
+
+    :param deltas: per island, its pseudo-gradient tensors (fp32, same shapes for every island)
+    :param weights: per island, its merge weight (>= 0)
+    """
+    total = float(sum(weights))
+    if total <= 0.0:
+        return [torch.zeros_like(t) for t in deltas[0]]
+    per_island = [unit_directions(delta) for delta in deltas]
+    mean_units = weighted_mean([units for units, _ in per_island], weights)
+    mean_norms = [math.fsum(w * norms[j] for (_, norms), w in zip(per_island, weights)) / total
+                  for j in range(len(deltas[0]))]
+    return rda_combine(mean_units, mean_norms, weighted_mean(deltas, weights), eps)
+
+
 @torch.no_grad()
 def outer_step(
     params: Tensors,

@@ -163,6 +163,7 @@ class Syncer:
         self._threads: list[threading.Thread] = []
         self._stats_lock = threading.Lock()
         self._commit_lock = threading.Lock()
+        self._flags_lock = threading.Lock()
 
     # ---------------------------------------------------------------- setup (main thread)
 
@@ -584,9 +585,10 @@ class Syncer:
         """Keep ``island`` out of our rounds for its probation (``flag_probation``, doubled with each
         strike: a transient fault costs little, a persistent one is retried ever more rarely, and a
         retry costs one rejected round, no inner progress). Returns the probation in seconds."""
-        self.strikes[island] = self.strikes.get(island, 0) + 1
-        seconds = self.config.flag_probation * 2.0 ** min(self.strikes[island] - 1, 16)
-        self.flagged[island] = time.time() + seconds
+        with self._flags_lock:  # round threads catch, the reporter's thread adopts
+            self.strikes[island] = self.strikes.get(island, 0) + 1
+            seconds = self.config.flag_probation * 2.0 ** min(self.strikes[island] - 1, 16)
+            self.flagged[island] = time.time() + seconds
         self.events({"event": "flag", "culprit": island, "how": how, "seconds": seconds})
         return seconds
 

@@ -198,3 +198,36 @@ def test_all_finite():
     assert outer.all_finite(_params(1))
     assert not outer.all_finite([torch.tensor([1.0, float("nan")])])
     assert not outer.all_finite([torch.tensor([float("inf")])])
+
+
+def test_rda_keeps_the_mean_direction_at_the_mean_norm():
+    generator = torch.Generator().manual_seed(11)
+    deltas = [[torch.randn(6, 5, generator=generator) * scale, torch.randn(7, generator=generator)] for scale in (0.1, 2.0, 0.5)]
+    weights = [1.0, 3.0, 0.5]
+    merged = outer.rda_mean(deltas, weights)
+    for j in range(2):
+        units = [d[j] / d[j].norm() for d in deltas]
+        ubar = sum(w * u for w, u in zip(weights, units)) / sum(weights)
+        nbar = sum(w * d[j].norm() for w, d in zip(weights, deltas)) / sum(weights)
+        torch.testing.assert_close(merged[j].norm(), nbar, rtol=1e-5, atol=0)  # the weighted mean of norms
+        torch.testing.assert_close(merged[j] / merged[j].norm(), ubar / ubar.norm(), rtol=1e-5, atol=1e-6)
+    # unlike the plain mean, a large update does not drown the direction of the others
+    plain = outer.weighted_mean(deltas, weights)
+    assert merged[0].norm() > plain[0].norm()
+
+
+def test_rda_edge_cases_one_contributor_cancelling_directions_zero_weight():
+    delta = _params(4)
+    for got, want in zip(outer.rda_mean([delta], [2.5]), delta):  # one contributor: its own Delta
+        torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-7)
+    opposite = [[t * 3.0 for t in delta], [t * -1.0 for t in delta]]  # equal weights: directions cancel
+    merged = outer.rda_mean(opposite, [1.0, 1.0])
+    for got, want in zip(merged, outer.weighted_mean(opposite, [1.0, 1.0])):  # falls back to the mean
+        torch.testing.assert_close(got, want)
+        assert torch.isfinite(got).all()
+    zeros = [[torch.zeros(3, 2)], [torch.zeros(3, 2)]]
+    assert torch.equal(outer.rda_mean(zeros, [1.0, 1.0])[0], torch.zeros(3, 2))  # all zero: zero, no NaN
+    assert torch.equal(outer.rda_mean([delta, delta], [0.0, 0.0])[0], torch.zeros_like(delta[0]))  # zero weight
+    units, norms = outer.unit_directions([torch.zeros(4), torch.tensor([3.0, 4.0])])
+    assert torch.equal(units[0], torch.zeros(4)) and norms == [0.0, 5.0]
+    torch.testing.assert_close(units[1], torch.tensor([0.6, 0.8]))
