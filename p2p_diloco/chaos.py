@@ -28,7 +28,7 @@ import time
 from pathlib import Path
 from typing import Literal, Optional
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from p2p_diloco.config import format_validation_error, load_toml
 from p2p_diloco.errors import ConfigError
@@ -56,6 +56,12 @@ class Fault(BaseModel):
     )
     value: Literal["nan", "inf", "huge"] = Field("nan", description="corrupt: what the faulty island sends")
     rate: str = Field("20mbit", pattern=r"^[0-9.]+[kmg]?bit$", description="throttle: tc rate, e.g. 20mbit")
+
+    @model_validator(mode="after")
+    def _default_duration(self) -> "Fault":
+        if self.duration is None and self.kind in ("freeze", "cut", "throttle"):
+            self.duration = 10.0
+        return self
 
 
 class ChaosConfig(BaseModel):
@@ -108,11 +114,13 @@ def load_schedule(path: str) -> ChaosConfig:
         raise ConfigError(f"schedule {path}: {format_validation_error(e)}") from None
     names = {f"island-{i}" for i in range(config.islands)}
     for fault in config.faults:
-        if fault.duration is None and fault.kind in ("freeze", "cut", "throttle"):
-            fault.duration = 10.0
         if fault.kind != "kill_bootstrap" and fault.island not in names:
             raise ConfigError(f"schedule {path}: fault at {fault.at} s names island {fault.island!r}, "
                               f"expected one of {', '.join(sorted(names))}")
+        if fault.kind == "corrupt" and any(f.kind == "corrupt" and f.island == fault.island and f.value != fault.value
+                                           for f in config.faults):
+            raise ConfigError(f"schedule {path}: island {fault.island} has corrupt faults with different values; "
+                              "an island sends one kind of garbage")
         if fault.kind in ("cut", "throttle") and config.network != "netns":
             raise ConfigError(f"schedule {path}: the {fault.kind} fault at {fault.at} s needs network = \"netns\"")
     return config
@@ -158,10 +166,9 @@ class ChaosRun:
         ]
 
     def _corrupt_args(self, name: str) -> list[str]:
-        """A faulty island that restarts while faulty sends garbage from its start; an island with a
-        corrupt fault ahead turns faulty on SIGUSR2 (no restart, so no start-up cost)."""
-        if name in self.faulty:
-            return ["--debug-corrupt-outer", self.faulty[name]]
+        """An island with a corrupt fault in the schedule turns faulty, and healthy again, on SIGUSR2
+        (no restart, so no start-up cost); one that restarts while faulty gets SIGUSR2 again once it
+        started (the "refault" follow-up of its restart)."""
         values = [f.value for f in self.config.faults if f.kind == "corrupt" and f.island == name]
         return ["--debug-corrupt-outer", values[0], "--debug-corrupt-on-signal"] if values else []
 
@@ -190,6 +197,10 @@ class ChaosRun:
                 maddrs = starts[-1]["maddrs"]
                 peers += [m for m in maddrs if f"/{host}/" in m] or maddrs
         return peers or list(self.swarm.initial_peers)
+
+    def _refault(self, name: str) -> Optional[tuple[float, str, dict]]:
+        """The follow-up that makes a faulty island faulty again after its restart."""
+        return (1.0, "refault", {"island": name}) if name in self.faulty else None
 
     def _started(self, name: str) -> bool:
         """The island's current life has logged its start (signal handlers are installed by then)."""
@@ -269,7 +280,7 @@ class ChaosRun:
                 return self._skip(kind, name, "already running")
             self._start(name, initial_peers=self._live_peers())
             self._record("restart", name, **({"faulty": True} if name in self.faulty else {}))
-            return None
+            return self._refault(name)
         if kind == "freeze":
             if not alive or _open(self.frozen[name]):
                 return self._skip(kind, name, "frozen already" if alive else "not running")
@@ -292,15 +303,22 @@ class ChaosRun:
             if (kind == "corrupt") == (name in self.faulty):
                 return self._skip(kind, name, "faulty already" if kind == "corrupt" else "not faulty")
             if alive and not self._started(name):
-                return self._skip(kind, name, "still starting")  # SIGUSR2 before its handler would kill it
+                return 1.0, kind, fault  # SIGUSR2 before its handler is installed would kill it: retry
             if kind == "corrupt":
                 self.faulty[name] = fault["value"]
             else:
                 del self.faulty[name]
-            if alive:
+            if alive:  # (a dead island restarts honest, and gets SIGUSR2 again if it is to be faulty)
                 _signal(self.swarm.islands[name].pid, signal.SIGUSR2)
             self._record(kind, name, **({"value": fault["value"]} if kind == "corrupt" else {}))
             return (fault["duration"], "heal", fault) if kind == "corrupt" and fault.get("duration") else None
+        if kind == "refault":  # a faulty island restarted honest: make it faulty again once it started
+            if name not in self.faulty or not alive:
+                return None
+            if not self._started(name):
+                return 1.0, kind, fault
+            _signal(self.swarm.islands[name].pid, signal.SIGUSR2)
+            return None
         if kind == "kill_bootstrap":
             if self.swarm.bootstrap is None or not self.swarm.bootstrap.alive():
                 return self._skip(kind, "", "not running")
@@ -314,7 +332,7 @@ class ChaosRun:
             self._record("restart", name, why="kill_donor", **({"faulty": True} if name in self.faulty else {}))
             self.donor_watch.append({"joiner": name, "since": time.time(), "joining": False,
                                      "restart_after": fault.get("restart_after")})
-            return None
+            return self._refault(name)
         if kind in ("cut", "throttle"):
             spans = (self.cut if kind == "cut" else self.throttled)[name]
             if _open(spans):

@@ -198,6 +198,8 @@ class PeerConfig(_Section):
             raise ValueError("outer.request_timeout must be smaller than half of outer.matchmaking_time")
         if self.progress_ttl <= self.progress_period:
             raise ValueError("progress_ttl must be longer than progress_period")
+        if self.debug_corrupt_on_signal and not self.debug_corrupt_outer:
+            raise ValueError("debug_corrupt_on_signal needs debug_corrupt_outer (what to send once faulty)")
         return self
 
 

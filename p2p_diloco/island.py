@@ -6,6 +6,7 @@ import json
 import logging
 import math
 import os
+import queue
 import signal
 import sys
 import tempfile
@@ -266,6 +267,7 @@ class Island:
         if self.stop.event.is_set():
             raise Interrupted("interrupted before joining the swarm")
         self.corrupting = "" if config.debug_corrupt_on_signal else config.debug_corrupt_outer
+        self._notes: queue.SimpleQueue = queue.SimpleQueue()  # put() is safe in a signal handler
         if config.debug_corrupt_outer and config.debug_corrupt_on_signal:  # before the start event
             signal.signal(signal.SIGUSR2, self._toggle_corrupt)
             logger.warning("testing mode: SIGUSR2 makes this island send %s pseudo-gradients",
@@ -292,6 +294,7 @@ class Island:
                 corrupt=self.corrupting,
                 donate_delay=config.debug_donate_delay,
             )
+            self.syncer.corrupt = self.corrupting  # (a SIGUSR2 may have come in while it was built)
             if config.debug_corrupt_outer and not config.debug_corrupt_on_signal:
                 logger.warning("testing mode: this island sends %s pseudo-gradients", config.debug_corrupt_outer)
             try:
@@ -444,14 +447,14 @@ class Island:
         self.corrupting = faulty
         if self.syncer is not None:
             self.syncer.corrupt = faulty  # read by the round threads at their next round
-
-        def note() -> None:  # not in the handler: the main thread may hold the event log's lock
-            self.events({"event": "corrupt", "value": faulty})
-            logger.warning("testing mode: this island now sends %s pseudo-gradients", faulty or "honest")
-
-        threading.Thread(target=note, name="corrupt-note", daemon=True).start()
+        # logged by the reporter's thread: here the main thread may hold the event log's lock
+        self._notes.put({"event": "corrupt", "value": faulty})
 
     def _record(self, state: str) -> IslandProgress:
+        while not self._notes.empty():  # events noted by signal handlers
+            note = self._notes.get_nowait()
+            self.events(note)
+            logger.warning("testing mode: this island now sends %s pseudo-gradients", note["value"] or "honest")
         stats, sync, learner = self.learner.stats, self.syncer.stats, self.learner
         return IslandProgress(
             island=self.config.island, peer_id=self.peer_id, fingerprint=self.fingerprint, device=self.device_name,

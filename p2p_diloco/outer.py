@@ -63,7 +63,8 @@ def weighted_mean(deltas: Sequence[Tensors], weights: Sequence[float]) -> list[t
 
 def _exact_norm(tensor: torch.Tensor) -> float:
     """||tensor||_2 computed the same way on every CPU (an exactly rounded sum of squares in float64),
-    so members that hold the same bits get the same norm."""
+    so members that hold the same bits get the same norm. A reference: it walks every element in
+    Python (about 0.1 s per million elements)."""
     return math.sqrt(math.fsum((tensor.detach().to(torch.float64).reshape(-1) ** 2).tolist()))
 
 
@@ -212,7 +213,7 @@ def encode_for_wire(delta: Tensors, out: Tensors, offset: float) -> None:
     members that start from the same Theta end with the same Theta. The price is absolute precision
     of C * 2^-24 on each element. The argument needs uncompressed fp32 on the wire and every part of
     the all-reduce to succeed; a part whose reducer failed leaves each member its own values, which
-    the island's base check (version and hash against the swarm's) detects and repairs.
+    :func:`find_unaveraged` finds (and the island's base check repairs what differs all the same).
     """
     for source, target in zip(delta, out, strict=True):
         torch.add(source, offset, out=target)
@@ -226,14 +227,18 @@ def find_unaveraged(merged: Tensors, delta: Tensors, offset: float, min_run: int
     hivemind's all-reduce drops a member that stops answering mid-round (a frozen or cut-off island)
     instead of failing the whole group: senders that miss ``sender_timeout`` are left out of the
     average, and each member keeps *its own* values for the part a failed reducer owned. Those
-    parts differ from member to member; the syncer sets them to zero (no outer update there this
-    round, the same on every member that saw the same failure) and keeps the island's local progress
-    there for the next round.
+    parts differ from member to member; the syncer sets the merged pseudo-gradient there to zero
+    (Theta moves only by the outer momentum there, the same on every member that saw the same
+    failure) and, with ``apply = "carry"``, keeps the island's local progress there for the next
+    round.
 
     A failed part is a contiguous run of elements (in hivemind's flattened order: the tensors in
     sequence) where the merged values equal exactly what this member sent, ``C + Delta``. Averaged
-    elements equal it only where every member sent the same value, and then every member finds them
-    alike. ``min_run`` (elements) keeps isolated coincidences out.
+    elements equal it where every member sent the same value (every member then finds them alike),
+    and where the other members' weight is too small to move a value by half an fp32 step at C
+    (a listener's 1e-12): the caller does not check such rounds. ``min_run`` (elements) keeps
+    isolated coincidences out; a failed part shorter than it is not found (that member then keeps
+    its own values there, and the base check repairs the fork).
 
     :param merged: avg - C per tensor (from :func:`decode_from_wire`), fp32
     :param delta: the clipped pseudo-gradient this member sent (before :func:`encode_for_wire`)

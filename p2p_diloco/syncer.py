@@ -35,6 +35,7 @@ logger = logging.getLogger(__name__)
 
 WEIGHT_UNIT = 1e6  # token weights are sent in units of 10^6 (tokens^2 / step) to stay well inside fp32
 LISTENER_WEIGHT = 1e-12  # weight of a member with nothing to contribute: it only receives the result
+MIN_OTHERS_SHARE = 1e-3  # below this share of the others' weight, a round's result is not checked for failed parts
 
 
 @dataclass
@@ -471,8 +472,9 @@ class Syncer:
         averager = self.averagers[p]
         with averager.get_tensors() as wire:
             outer.encode_for_wire(delta, wire, self.offset)
-            if self.corrupt:
-                outer.corrupt_(wire, self.corrupt)
+            corrupt = self.corrupt  # read once: SIGUSR2 may toggle it meanwhile (testing only)
+            if corrupt:
+                outer.corrupt_(wire, corrupt)
             sent_max = outer.max_abs_sent(wire, self.offset)
         gather = dict(island=self.island, version=state.version, hash=state.hash, weight=weight,
                       tokens=snapshot.tokens, steps=snapshot.steps, delta_max=sent_max)
@@ -498,11 +500,16 @@ class Syncer:
             if not outer.within_bound(merged, self.bound):
                 self._reject(members, event)
                 return
-            # a member that stopped answering mid-round was dropped by hivemind: no outer update in the
-            # parts it was to reduce (alike on every member), and the island keeps its local progress
-            # there for the next round (see outer.find_unaveraged)
+            # a member that stopped answering mid-round was dropped by hivemind: a zero merged
+            # pseudo-gradient in the parts it was to reduce (alike on every member), and the island
+            # keeps its local progress there for the next round (see outer.find_unaveraged)
             size = sum(t.numel() for t in merged)
-            masks = outer.find_unaveraged(merged, delta, self.offset, min_run=min(1024, max(2, size // 64)))
+            masks = None
+            total = sum(max(m["weight"], LISTENER_WEIGHT) for m in members)
+            if total > 0 and 1.0 - max(weight, LISTENER_WEIGHT) / total >= MIN_OTHERS_SHARE:
+                # (when the others weigh next to nothing, as listeners do, the average rounds back to
+                # what we sent: nothing to tell apart, and their parts could not change ours anyway)
+                masks = outer.find_unaveraged(merged, delta, self.offset, min_run=min(1024, max(2, size // 64)))
             if masks is not None:
                 for tensor, mask in zip(merged, masks):
                     tensor.masked_fill_(mask, 0.0)  # +0.0: the same bits on every member
@@ -555,8 +562,8 @@ class Syncer:
         culprits = sorted(m["island"] for m in members if m["island"] != self.island
                           and not _reported_within(m.get("delta_max"), self.bound))
         for island in culprits:
-            if island not in self.flagged:
-                seconds = self._flag(island, "caught")
+            seconds = self._flag(island, "caught")
+            if seconds:
                 logger.error("island %s sent an invalid pseudo-gradient: flagged, its rounds are avoided for %.0f s",
                              island, seconds)
         self._bump("rounds_rejected")
@@ -574,31 +581,40 @@ class Syncer:
             if culprit == self.island or culprit in self.strikes:
                 continue  # ours to judge: we caught it (or adopted it) before, and its probation is ours
             voters = [flags for island, flags in reports if island != culprit]
-            if voters and 2 * sum(culprit in flags for flags in voters) > len(voters):
+            if voters and 2 * sum(culprit in flags for flags in voters) > len(voters) and self._flag(culprit, "adopted"):
                 logger.warning("island %s was flagged by %d of %d other islands: its rounds are avoided",
                                culprit, sum(culprit in flags for flags in voters), len(voters))
-                self._flag(culprit, "adopted")
                 adopted.append(culprit)
         return adopted
 
     def _flag(self, island: str, how: str) -> float:
         """Keep ``island`` out of our rounds for its probation (``flag_probation``, doubled with each
         strike: a transient fault costs little, a persistent one is retried ever more rarely, and a
-        retry costs one rejected round, no inner progress). Returns the probation in seconds."""
+        retry costs one rejected round, no inner progress). The probation ends halfway between two
+        rounds on the swarm-wide clock, so islands that caught it in the same round free it alike.
+        Returns the probation in seconds, or 0 if the island is flagged already."""
         with self._flags_lock:  # round threads catch, the reporter's thread adopts
+            if island in self.flagged:
+                return 0.0
             self.strikes[island] = self.strikes.get(island, 0) + 1
             seconds = self.config.flag_probation * 2.0 ** min(self.strikes[island] - 1, 16)
-            self.flagged[island] = time.time() + seconds
+            # halfway between two rounds' checks (made about matchmaking_time before each slot)
+            step = self.clock.period / self.clock.num_fragments
+            shift = self.config.matchmaking_time - step / 2
+            self.flagged[island] = math.ceil((time.time() + seconds + shift) / step) * step - shift
         self.events({"event": "flag", "culprit": island, "how": how, "seconds": seconds})
         return seconds
 
     def _expire_flags(self) -> None:
         """End the probations that are over: those islands may join our rounds again."""
         now = time.time()
-        for island, until in list(self.flagged.items()):
-            if until <= now and self.flagged.pop(island, None) is not None:
-                logger.warning("island %s: probation over, its rounds are no longer avoided", island)
-                self.events({"event": "unflag", "culprit": island})
+        with self._flags_lock:
+            over = [island for island, until in self.flagged.items() if until <= now]
+            for island in over:
+                del self.flagged[island]
+        for island in over:
+            logger.warning("island %s: probation over, its rounds are no longer avoided", island)
+            self.events({"event": "unflag", "culprit": island})
 
     def _keep_away_from_flagged(self, averager) -> None:
         """Meet only islands that flagged the same ones: the group key gets bits derived from the

@@ -277,15 +277,18 @@ def next_chunk_timeout(allreduce_timeout: float) -> float:
 
 
 def sender_timeout(allreduce_timeout: float) -> float:
-    """Seconds a reducer waits for a member's data before leaving that member out of the average."""
-    return allreduce_timeout / 3
+    """Seconds a reducer waits for a member's data before leaving that member out of the average:
+    a third of the round's timeout, but up to 1 s (at most 0.45 of it) for short rounds on a busy
+    machine, where a healthy member's averager may start a few hundred milliseconds late."""
+    return max(allreduce_timeout / 3, min(1.0, 0.45 * allreduce_timeout))
 
 
 def reducer_timeout(allreduce_timeout: float) -> float:
     """Seconds a member waits for the next averaged chunk from a reducer before keeping its own
-    values for that reducer's part; above :func:`sender_timeout`, as hivemind requires, and well
-    inside the round's timeout, so the round still ends in time."""
-    return 0.6 * allreduce_timeout
+    values for that reducer's part: above :func:`sender_timeout` (hivemind requires it, and a
+    reducer first waits for late senders) and at most 0.675 of the round's timeout, so that a
+    member that stalls early in the round is dropped before the round itself times out."""
+    return max(0.6 * allreduce_timeout, 1.5 * sender_timeout(allreduce_timeout))
 
 
 def make_fragment_averager(

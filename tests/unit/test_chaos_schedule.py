@@ -166,20 +166,22 @@ def test_corrupt_toggles_a_running_island_by_signal_once_it_started(tmp_path):
     run.swarm.islands["island-1"] = Managed("island-1", popen, tmp_path / "island-1.log")
     run.alive["island-1"].append([time.time(), float("inf")])
     try:
-        assert run._apply("corrupt", fault.model_dump()) is None  # not started yet: skipped, not killed
-        assert run.faults[-1]["kind"] == "skipped" and run.faults[-1]["why"] == "still starting"
+        retry = run._apply("corrupt", fault.model_dump())  # not started yet: no signal (it would kill it)
+        assert retry[:2] == (1.0, "corrupt") and not run.faults and not run.faulty
         deadline = time.monotonic() + 30
         while not run._started("island-1") and time.monotonic() < deadline:
             time.sleep(0.05)
         heal = run._apply("corrupt", fault.model_dump())
         assert heal[0] == 30 and heal[1] == "heal" and run.faults[-1]["kind"] == "corrupt"
-        assert run._corrupt_args("island-1") == ["--debug-corrupt-outer", "inf"]  # a restart comes back faulty
+        assert run._refault("island-1")[1] == "refault"  # were it to restart, it would be made faulty again
+        assert run._apply("refault", {"island": "island-1"}) is None  # (what that follow-up does: SIGUSR2)
         assert run._apply("corrupt", fault.model_dump()) is None and run.faults[-1]["why"] == "faulty already"
         assert run._apply(*heal[1:]) is None and run.faults[-1]["kind"] == "heal" and not run.faulty
+        assert run._refault("island-1") is None and run._apply("refault", {"island": "island-1"}) is None
         deadline = time.monotonic() + 10
-        while (not signals.exists() or len(signals.read_text().split()) < 2) and time.monotonic() < deadline:
+        while (not signals.exists() or len(signals.read_text().split()) < 3) and time.monotonic() < deadline:
             time.sleep(0.05)
-        assert signals.read_text().split() == ["usr2", "usr2"] and popen.poll() is None
+        assert signals.read_text().split() == ["usr2"] * 3 and popen.poll() is None
     finally:
         popen.kill()
         popen.wait(5)

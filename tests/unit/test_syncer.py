@@ -13,7 +13,7 @@ from p2p_diloco import outer
 from p2p_diloco.config import OuterConfig
 from p2p_diloco.fragments import FragmentLayout
 from p2p_diloco.schedule import RoundSlot
-from p2p_diloco.syncer import WEIGHT_UNIT, Snapshot, Syncer
+from p2p_diloco.syncer import WEIGHT_UNIT, FragmentState, Snapshot, Syncer
 
 SHAPES = [[torch.Size([3, 2]), torch.Size([4])]]
 LAYOUT = FragmentLayout(fragments=(("w", "b"),), sizes=(10,))
@@ -159,6 +159,10 @@ def test_a_part_no_reducer_averaged_gets_no_outer_update_and_keeps_the_local_pro
     local_a, local_b = [t - 0.01 * g for t, g in zip(theta, _params(1))], [t - 0.02 * g for t, g in zip(theta, _params(2))]
     a, learner_a, events_a = _syncer("a", theta, local_a)
     b, _, events_b = _syncer("b", theta, local_b)
+    momentum = _params(9, 0.01)  # the outer momentum of earlier rounds (the same on both)
+    for syncer in (a, b):
+        state = syncer.states[0]
+        syncer._publish(0, FragmentState(state.theta, [m.clone() for m in momentum], 0, state.hash))
     group = FakeGroup(2, failed_tensor=1)  # the reducer of the second tensor stopped answering
     a.averagers, b.averagers = [FakeAverager(a, group)], [FakeAverager(b, group)]
     _round(a, b)
@@ -167,15 +171,32 @@ def test_a_part_no_reducer_averaged_gets_no_outer_update_and_keeps_the_local_pro
     assert a.states[0].hash == b.states[0].hash  # the same Theta on both members
     merged = outer.weighted_mean([outer.pseudo_gradient(theta, local_a), outer.pseudo_gradient(theta, local_b)],
                                  [1.0, 1.0])
-    merged[1] = torch.zeros_like(merged[1])
+    merged[1] = torch.zeros_like(merged[1])  # nobody averaged it: a zero merged pseudo-gradient
     expected = [t.clone() for t in theta]
-    outer.outer_step(expected, merged, [torch.zeros_like(t) for t in theta], lr=0.7, momentum=0.9, nesterov=True)
+    outer.outer_step(expected, merged, [m.clone() for m in momentum], lr=0.7, momentum=0.9, nesterov=True)
     for got, want in zip(a.states[0].theta, expected):
         torch.testing.assert_close(got, want, rtol=0, atol=1e-5)
-    assert torch.equal(a.states[0].theta[1], theta[1])  # no outer update where nobody averaged
+    assert not torch.equal(expected[1], theta[1])  # (the outer momentum still moves Theta there)
     (update,) = learner_a.updates
-    assert update.mode == "carry" and torch.equal(update.tensors[1], torch.zeros(4))  # local progress kept there
+    assert update.mode == "carry"
+    # where nobody averaged, the progress is measured from the old Theta: the island keeps all of it
+    torch.testing.assert_close(update.tensors[1], expected[1] - theta[1], rtol=0, atol=1e-6)
     torch.testing.assert_close(update.tensors[0], expected[0] - local_a[0])
+
+
+def test_a_listener_and_a_contributor_end_identical():
+    """A member with nothing to contribute (no steps yet) weighs 1e-12: the contributor's result
+    rounds back to exactly what it sent, which must not be taken for a failed part."""
+    theta = _params(0)
+    a, _, events_a = _syncer("a", theta, [t - 0.01 * g for t, g in zip(theta, _params(1))])
+    b, learner_b, events_b = _syncer("b", theta, theta)
+    learner_b.request_snapshot = lambda fragment, timeout: Snapshot(fragment, [p.clone() for p in theta], 0, 0)
+    group = FakeGroup(2)
+    a.averagers, b.averagers = [FakeAverager(a, group)], [FakeAverager(b, group)]
+    _round(a, b)
+    assert events_a[-1]["outcome"] == events_b[-1]["outcome"] == "ok"
+    assert events_a[-1]["unaveraged"] == events_b[-1]["unaveraged"] == 0.0
+    assert a.states[0].hash == b.states[0].hash
 
 
 def test_a_member_on_a_fork_reloads_the_result_instead_of_keeping_it():
@@ -186,9 +207,10 @@ def test_a_member_on_a_fork_reloads_the_result_instead_of_keeping_it():
     group = FakeGroup(2)
     a.averagers, b.averagers = [FakeAverager(a, group, donor=b)], [FakeAverager(b, group, donor=a)]
     _round(a, b)
-    winner, loser = (a, b) if events_a[-1]["canonical"] else (b, a)
-    loser_events = events_b if loser is b else events_a
-    assert loser_events[-1]["canonical"] is False and loser_events[-1]["reloaded"] is True
+    round_a, round_b = ([e for e in events if e["event"] == "round"][-1] for events in (events_a, events_b))
+    winner, loser = (a, b) if round_a["canonical"] else (b, a)
+    loser_round = round_b if loser is b else round_a  # (the winner's last event is the donation)
+    assert loser_round["canonical"] is False and loser_round["reloaded"] is True
     assert loser.states[0].hash == winner.states[0].hash and loser.versions == winner.versions == [1]
 
 
@@ -315,10 +337,14 @@ def test_a_flag_ends_after_its_probation_which_doubles_with_each_strike(monkeypa
     a._keep_away_from_flagged(a.averagers[0])
     flagged_bits = a.averagers[0].group_bits
     assert "x" in a.flagged and len(flagged_bits) == 8
-    now[0] += CONFIG.flag_probation - 1
+    assert a._flag("x", "caught") == 0.0  # flagged already: no second strike
+    until = a.flagged["x"]  # the probation, rounded up to halfway between two rounds' checks
+    assert CONFIG.flag_probation <= until - 1000.0 < CONFIG.flag_probation + CONFIG.period
+    assert (until + CONFIG.matchmaking_time) % CONFIG.period == pytest.approx(CONFIG.period / 2)
+    now[0] = until - 0.5
     a._keep_away_from_flagged(a.averagers[0])
     assert "x" in a.flagged and a.averagers[0].group_bits == flagged_bits
-    now[0] += 2  # probation over: back to the default group key, where the others meet x again
+    now[0] = until + 0.5  # probation over: back to the default group key, where the others meet x again
     a._keep_away_from_flagged(a.averagers[0])
     assert "x" not in a.flagged and a.averagers[0].group_bits == ""
     assert [e["event"] for e in events[-2:]] == ["flag", "unflag"]
