@@ -198,6 +198,14 @@ class ChaosRun:
                 peers += [m for m in maddrs if f"/{host}/" in m] or maddrs
         return peers or list(self.swarm.initial_peers)
 
+    def _toggle(self, name: str) -> bool:
+        """SIGUSR2 to a running island (faulty <-> honest), once its current life has started: before,
+        its handler is not installed and the signal would kill it. False: not started yet, retry."""
+        if not self._started(name):
+            return False
+        _signal(self.swarm.islands[name].pid, signal.SIGUSR2)
+        return True
+
     def _refault(self, name: str) -> Optional[tuple[float, str, dict]]:
         """The follow-up that makes a faulty island faulty again after its restart."""
         return (1.0, "refault", {"island": name}) if name in self.faulty else None
@@ -302,22 +310,18 @@ class ChaosRun:
         if kind in ("corrupt", "heal"):  # SIGUSR2 toggles the island between faulty and honest
             if (kind == "corrupt") == (name in self.faulty):
                 return self._skip(kind, name, "faulty already" if kind == "corrupt" else "not faulty")
-            if alive and not self._started(name):
-                return 1.0, kind, fault  # SIGUSR2 before its handler is installed would kill it: retry
+            # (a dead island restarts honest, and gets SIGUSR2 again if it is to be faulty)
+            if alive and not self._toggle(name):
+                return 1.0, kind, fault
             if kind == "corrupt":
                 self.faulty[name] = fault["value"]
             else:
                 del self.faulty[name]
-            if alive:  # (a dead island restarts honest, and gets SIGUSR2 again if it is to be faulty)
-                _signal(self.swarm.islands[name].pid, signal.SIGUSR2)
             self._record(kind, name, **({"value": fault["value"]} if kind == "corrupt" else {}))
             return (fault["duration"], "heal", fault) if kind == "corrupt" and fault.get("duration") else None
         if kind == "refault":  # a faulty island restarted honest: make it faulty again once it started
-            if name not in self.faulty or not alive:
-                return None
-            if not self._started(name):
+            if name in self.faulty and alive and not self._toggle(name):
                 return 1.0, kind, fault
-            _signal(self.swarm.islands[name].pid, signal.SIGUSR2)
             return None
         if kind == "kill_bootstrap":
             if self.swarm.bootstrap is None or not self.swarm.bootstrap.alive():

@@ -171,16 +171,21 @@ def test_corrupt_toggles_a_running_island_by_signal_once_it_started(tmp_path):
         deadline = time.monotonic() + 30
         while not run._started("island-1") and time.monotonic() < deadline:
             time.sleep(0.05)
+        def received(count):  # signals sent in quick succession would merge: wait for each one
+            deadline = time.monotonic() + 10
+            while (not signals.exists() or len(signals.read_text().split()) < count) and time.monotonic() < deadline:
+                time.sleep(0.05)
+
         heal = run._apply("corrupt", fault.model_dump())
         assert heal[0] == 30 and heal[1] == "heal" and run.faults[-1]["kind"] == "corrupt"
+        received(1)
         assert run._refault("island-1")[1] == "refault"  # were it to restart, it would be made faulty again
         assert run._apply("refault", {"island": "island-1"}) is None  # (what that follow-up does: SIGUSR2)
+        received(2)
         assert run._apply("corrupt", fault.model_dump()) is None and run.faults[-1]["why"] == "faulty already"
         assert run._apply(*heal[1:]) is None and run.faults[-1]["kind"] == "heal" and not run.faulty
         assert run._refault("island-1") is None and run._apply("refault", {"island": "island-1"}) is None
-        deadline = time.monotonic() + 10
-        while (not signals.exists() or len(signals.read_text().split()) < 3) and time.monotonic() < deadline:
-            time.sleep(0.05)
+        received(3)
         assert signals.read_text().split() == ["usr2"] * 3 and popen.poll() is None
     finally:
         popen.kill()
