@@ -126,6 +126,11 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                     _fmt(summary["eval_loss_last"]), summary["outer_rounds_ok"], summary["outer_rounds_failed"],
                     summary["compute_utilization"],
                 )
+                logging.getLogger("p2p_diloco").info(
+                    "bandwidth: %s bytes/token sent (data-parallel: %s, %sx fewer), peak %s bytes per inner step",
+                    _fmt(summary["bytes_per_token"]), _fmt(summary["dp_bytes_per_token"]),
+                    _fmt(summary["reduction_vs_dp"]), f"{summary['peak_bytes_per_inner_step']:,}",
+                )
     except UserError as e:
         print(f"error: {e}", file=sys.stderr)
         return e.exit_code

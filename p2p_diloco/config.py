@@ -110,6 +110,15 @@ class OuterConfig(_Section):
     max_delta: float = Field(
         1.0, gt=0.0, description="largest |pseudo-gradient| element exchanged; larger elements are clipped"
     )
+    merge: Literal["mean", "rda"] = Field(
+        "mean", description="how a round merges pseudo-gradients: token-weighted mean, or rda (radial-directional "
+        "averaging: mean direction rescaled to the mean norm, per tensor; embeddings stay on the mean)",
+    )
+    codec: Literal["none", "fp16", "bf16", "int8", "int4", "int2"] = Field(
+        "none", description="outer gradients on the wire: none (fp32), fp16/bf16 (block floating point: one "
+        "exponent per 1024 values, 11/8 significant bits), int8, int4 or int2 (uniform, one power-of-two scale "
+        "per 1024 values); errors stay local and go into the next round",
+    )
     flag_probation: float = Field(
         120.0, gt=0.0, description="seconds an island caught sending garbage (NaN, Inf, huge) is kept out of "
         "rounds; doubled each time it is caught again",

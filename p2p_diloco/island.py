@@ -220,6 +220,7 @@ class Island:
             raise ConfigError(f"data.shard_index (--data-shard-index) {shard} must be below data.num_shards "
                               f"({config.data.num_shards})")
         batch_size = config.inner.batch_size or spec.batch_size
+        self.tokens_per_step = batch_size * spec.seq_len
         sampler = data_lib.BatchSampler(corpus.shard(shard, config.data.num_shards), batch_size, spec.seq_len,
                                         config.model.seed, config.island)
         eval_data = data_lib.eval_batches(corpus.eval, config.eval_batches, batch_size, spec.seq_len)
@@ -523,9 +524,36 @@ def make_summary(island: Island, stop_reason: str) -> dict:
         "compute_utilization": round(stats.utilization, 4),
         "bytes_sent": sync.bytes_sent,
         "bytes_received": sync.bytes_received,
+        **bandwidth_figures(sync, stats.tokens, count_parameters(island.model), island.tokens_per_step),
         "elements_clipped": sync.clipped,
         "resumed_from": str(island.resumed_from) if island.resumed_from else None,
         "checkpoint": island.last_checkpoint,
+    }
+
+
+def bandwidth_figures(sync, tokens: int, parameters: int, tokens_per_step: int) -> dict:
+    """Traffic per token, next to what data-parallel training of the same model would send.
+
+    A ring all-reduce of fp32 gradients sends 2 x parameters x 4 bytes per worker and inner step
+    (2 (n-1)/n of the gradient, rounded up to 2), which for this island's batch is
+    ``8 * parameters / tokens_per_step`` bytes per token. Ours: the bytes this island sent, rounds
+    and state downloads served together, per token it trained.
+
+    :param sync: the syncer's stats (bytes counted by the codecs and the state transfers)
+    :param tokens: tokens this island trained
+    :param parameters: model parameters
+    :param tokens_per_step: tokens per inner step (batch x sequence length)
+    :returns: bytes_per_token (sent), round_bytes_per_token (rounds only, sent), dp_bytes_per_token,
+        reduction_vs_dp (dp / ours; None when nothing was sent), peak_bytes_per_inner_step
+    """
+    dp = 2.0 * parameters * 4 / max(1, tokens_per_step)
+    ours = sync.bytes_sent / tokens if tokens else None
+    return {
+        "bytes_per_token": round(ours, 3) if ours is not None else None,
+        "round_bytes_per_token": round(sync.round_bytes_sent / tokens, 3) if tokens else None,
+        "dp_bytes_per_token": round(dp, 3),
+        "reduction_vs_dp": round(dp / ours, 1) if ours else None,
+        "peak_bytes_per_inner_step": sync.peak_bytes_per_step,
     }
 
 

@@ -14,7 +14,7 @@ import torch
 
 from p2p_diloco.config import ModelConfig, OuterConfig
 
-PROTOCOL_VERSION = 1  # bump when the wire format of rounds or state downloads changes
+PROTOCOL_VERSION = 2  # bump when the wire format of rounds or state downloads changes
 
 
 @dataclass(frozen=True)
@@ -109,7 +109,8 @@ def run_fingerprint(spec: ModelSpec, vocab_size: int, seed: int, tokenizer_sha: 
     """A 16-hex-digit hash of everything islands must share to average together.
 
     Covers the architecture, the tokenizer (sha256 of its JSON), the init seed and the outer-loop
-    fields that decide the global parameters (fragments, period, outer optimizer, delta clip), plus
+    fields that decide the global parameters (fragments, period, outer optimizer, delta clip, merge,
+    codec), plus
     the wire protocol version. Inner-loop settings (lr, batch) may differ between islands.
     """
     payload = {
@@ -124,6 +125,8 @@ def run_fingerprint(spec: ModelSpec, vocab_size: int, seed: int, tokenizer_sha: 
             "momentum": outer.momentum,
             "nesterov": outer.nesterov,
             "max_delta": outer.max_delta,
+            "merge": outer.merge,
+            "codec": outer.codec,
         },
     }
     blob = json.dumps(payload, sort_keys=True).encode()

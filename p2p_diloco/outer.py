@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import hashlib
 import math
-from typing import Iterable, Optional, Sequence
+from typing import Iterable, Optional, Sequence, Union
 
 import torch
 
@@ -82,30 +82,34 @@ def unit_directions(delta: Tensors) -> tuple[list[torch.Tensor], list[float]]:
     return units, norms
 
 
-def rda_combine(mean_units: Tensors, mean_norms: Sequence[float], fallback: Tensors, eps: float = 1e-6) -> list[torch.Tensor]:
+def rda_combine(mean_units: Tensors, mean_norms: Sequence[float], eps: float = 1e-6) -> list[torch.Tensor]:
     """Recombine averaged directions and norms: per tensor, nbar * ubar / ||ubar||, so that the merged
     pseudo-gradient points along the weighted mean direction and has the weighted mean norm
     (radial-directional averaging; Decoupled DiLoCo, arXiv 2604.21428, merging).
 
     Where the directions cancel (||ubar|| < ``eps``: opposite updates, or all zero) there is no
-    direction to keep, and the tensor of ``fallback`` (the plain weighted mean) is used instead.
+    direction to rescale, and the tensor falls back to nbar * ubar, which *is* the weighted mean of
+    the pseudo-gradients when the members' norms are equal (the usual cancelling case: equal and
+    opposite updates give zero) and zero when all are zero; never a division by a vanishing norm.
+    (The exact mean for unequal norms would need the raw pseudo-gradients on the wire as well,
+    twice the bytes.)
 
     :param mean_units: weighted mean of the members' unit directions, per tensor (fp32)
     :param mean_norms: weighted mean of the members' norms, per tensor
-    :param fallback: the plain weighted mean of the pseudo-gradients, per tensor
     """
     merged = []
-    for ubar, nbar, plain in zip(mean_units, mean_norms, fallback, strict=True):
+    for ubar, nbar in zip(mean_units, mean_norms, strict=True):
         length = _exact_norm(ubar)
-        merged.append(ubar * (nbar / length) if length >= eps and nbar > 0.0 else plain.clone())
+        merged.append(ubar * (nbar / length) if length >= eps else ubar * nbar)
     return merged
 
 
 def rda_mean(deltas: Sequence[Tensors], weights: Sequence[float], eps: float = 1e-6) -> list[torch.Tensor]:
     """Reference radial-directional average of several islands' pseudo-gradients, per tensor:
     the weighted mean of unit directions rescaled to the weighted mean of norms
-    (Decoupled DiLoCo, arXiv 2604.21428). One contributor gets its own Delta back; cancelling or
-    all-zero directions fall back to the weighted mean; zero total weight gives zeros (no update),
+    (Decoupled DiLoCo, arXiv 2604.21428), what a round with ``merge = "rda"`` computes with one
+    all-reduce of the directions. One contributor gets its own Delta back; cancelling or all-zero
+    directions fall back as :func:`rda_combine` says; zero total weight gives zeros (no update),
     never a division by zero.
 
     :param deltas: per island, its pseudo-gradient tensors (fp32, same shapes for every island)
@@ -116,9 +120,51 @@ def rda_mean(deltas: Sequence[Tensors], weights: Sequence[float], eps: float = 1
         return [torch.zeros_like(t) for t in deltas[0]]
     per_island = [unit_directions(delta) for delta in deltas]
     mean_units = weighted_mean([units for units, _ in per_island], weights)
-    mean_norms = [math.fsum(w * norms[j] for (_, norms), w in zip(per_island, weights)) / total
-                  for j in range(len(deltas[0]))]
-    return rda_combine(mean_units, mean_norms, weighted_mean(deltas, weights), eps)
+    return rda_combine(mean_units, mean_norms([norms for _, norms in per_island], weights), eps)
+
+
+def mean_norms(norms: Sequence[Sequence[float]], weights: Sequence[float]) -> list[float]:
+    """Per tensor, the weighted mean of the members' norms, exactly rounded (math.fsum), so that every
+    member computes the same value from the same gathered metadata; 0 for zero total weight."""
+    total = math.fsum(weights)
+    if total <= 0.0 or not norms:
+        return [0.0] * (len(norms[0]) if norms else 0)
+    return [math.fsum(w * n[j] for n, w in zip(norms, weights, strict=True)) / total for j in range(len(norms[0]))]
+
+
+def wire_values(delta: Tensors, rda: Sequence[bool]) -> tuple[list[torch.Tensor], list[float]]:
+    """What a member averages for each tensor: its unit direction where ``rda[j]`` (norm alongside,
+    for the gathered metadata), else its pseudo-gradient (norm 0, unused)."""
+    values, norms = [], []
+    for tensor, use_rda in zip(delta, rda, strict=True):
+        if use_rda:
+            (unit,), (norm,) = unit_directions([tensor])
+            values.append(unit)
+            norms.append(norm)
+        else:
+            values.append(tensor)
+            norms.append(0.0)
+    return values, norms
+
+
+def merge_result(averaged: Tensors, rda: Sequence[bool], norms: Sequence[Sequence[float]],
+                 weights: Sequence[float], eps: float = 1e-6) -> list[torch.Tensor]:
+    """The merged pseudo-gradient from a round's averaged values: the weighted mean as it is, and
+    for RDA tensors the mean direction rescaled to the mean of the members' gathered norms
+    (:func:`rda_combine`).
+
+    :param averaged: the round's averaged values per tensor (mean Delta, or mean unit direction)
+    :param rda: per tensor, whether it was merged with RDA
+    :param norms: per member, its per-tensor norms (from the gathered metadata)
+    :param weights: per member, its averaging weight
+    """
+    if not any(rda):
+        return list(averaged)
+    nbar = mean_norms(norms, weights)
+    merged = []
+    for j, (tensor, use_rda) in enumerate(zip(averaged, rda, strict=True)):
+        merged.append(rda_combine([tensor], [nbar[j]], eps)[0] if use_rda else tensor)
+    return merged
 
 
 @torch.no_grad()
@@ -202,10 +248,20 @@ def clip_(tensors: Tensors, bound: float) -> int:
     return clipped
 
 
+def _per_tensor(value: Union[float, Sequence[float]], count: int) -> list[float]:
+    """One value per tensor: a number for all of them, or a sequence with one each."""
+    if isinstance(value, (int, float)):
+        return [float(value)] * count
+    if len(value) != count:
+        raise ValueError(f"{len(value)} values for {count} tensors")
+    return [float(v) for v in value]
+
+
 @torch.no_grad()
-def encode_for_wire(delta: Tensors, out: Tensors, offset: float) -> None:
+def encode_for_wire(delta: Tensors, out: Tensors, offset: Union[float, Sequence[float]]) -> None:
     """out <- C + Delta: what a member puts into the averaged tensors. Requires |Delta| <= C/4
-    (apply :func:`clip_` with a bound of at most ``offset / 4`` first).
+    (apply :func:`clip_` with a bound of at most ``offset / 4`` first). ``offset``: C for every
+    tensor, or one C per tensor.
 
     hivemind's all-reduce hands each member ``y_i + (avg - y_i)``, computed in fp32. Because every
     value lies in [0.75 C, 1.25 C], within a factor of two of every other, ``avg - y_i`` is exact
@@ -215,14 +271,14 @@ def encode_for_wire(delta: Tensors, out: Tensors, offset: float) -> None:
     the all-reduce to succeed; a part whose reducer failed leaves each member its own values, which
     :func:`find_unaveraged` finds (and the island's base check repairs what differs all the same).
     """
-    for source, target in zip(delta, out, strict=True):
-        torch.add(source, offset, out=target)
+    for source, target, c in zip(delta, out, _per_tensor(offset, len(out)), strict=True):
+        torch.add(source, c, out=target)
 
 
 @torch.no_grad()
-def find_unaveraged(merged: Tensors, delta: Tensors, offset: float, min_run: int = 1024) -> Optional[list[torch.Tensor]]:
-    """The parts of a round's merged pseudo-gradient that no reducer averaged, as boolean masks
-    shaped like the tensors (None when there are none).
+def find_unaveraged(received: Tensors, sent: Tensors, min_run: int = 1024) -> Optional[list[torch.Tensor]]:
+    """The parts of a round's result that no reducer averaged, as boolean masks shaped like the
+    tensors (None when there are none).
 
     hivemind's all-reduce drops a member that stops answering mid-round (a frozen or cut-off island)
     instead of failing the whole group: senders that miss ``sender_timeout`` are left out of the
@@ -233,21 +289,21 @@ def find_unaveraged(merged: Tensors, delta: Tensors, offset: float, min_run: int
     round.
 
     A failed part is a contiguous run of elements (in hivemind's flattened order: the tensors in
-    sequence) where the merged values equal exactly what this member sent, ``C + Delta``. Averaged
-    elements equal it where every member sent the same value (every member then finds them alike),
-    and where the other members' weight is too small to move a value by half an fp32 step at C
-    (a listener's 1e-12): the caller does not check such rounds. ``min_run`` (elements) keeps
-    isolated coincidences out; a failed part shorter than it is not found (that member then keeps
-    its own values there, and the base check repairs the fork).
+    sequence) where the result equals exactly what this member sent. Averaged elements equal it
+    where every member sent the same value (every member then finds them alike), and where the
+    other members' weight is too small to move a value by half a step (a listener's 1e-12): the
+    caller does not check such rounds. ``min_run`` (elements) keeps isolated coincidences out; a
+    failed part shorter than it is not found (that member then keeps its own values there, and the
+    base check repairs the fork).
 
-    :param merged: avg - C per tensor (from :func:`decode_from_wire`), fp32
-    :param delta: the clipped pseudo-gradient this member sent (before :func:`encode_for_wire`)
-    :param offset: C, as used by :func:`encode_for_wire`
+    :param received: the round's result in value space (after :func:`decode_from_wire` or
+        ``wire.from_wire``), fp32
+    :param sent: what this member sent, in the same space and shapes
     :param min_run: shortest run of unchanged elements taken for a failed part
     """
-    if not merged:
+    if not received:
         return None
-    same = torch.cat([(m + offset == d + offset).reshape(-1) for m, d in zip(merged, delta, strict=True)])
+    same = torch.cat([(r == s).reshape(-1) for r, s in zip(received, sent, strict=True)])
     if not bool(same.any()):
         return None
     # run boundaries of `same`: +1 where a run starts, -1 one past where it ends
@@ -261,7 +317,7 @@ def find_unaveraged(merged: Tensors, delta: Tensors, offset: float, min_run: int
     for start, end in zip(starts[long].tolist(), ends[long].tolist()):
         drop[start:end] = True
     masks, position = [], 0
-    for tensor in merged:
+    for tensor in received:
         masks.append(drop[position:position + tensor.numel()].view_as(tensor))
         position += tensor.numel()
     return masks
@@ -273,19 +329,21 @@ def wire_bound(max_delta: float, offset: float) -> float:
 
 
 @torch.no_grad()
-def max_abs_sent(wire: Tensors, offset: float) -> float:
+def max_abs_sent(wire: Tensors, offset: Union[float, Sequence[float]]) -> float:
     """max |y - C| over what a member put on the wire (NaN or Inf if it sent such values)."""
-    values = [float((tensor - offset).abs().max()) for tensor in wire if tensor.numel()]
+    values = [float((tensor - c).abs().max()) for tensor, c in zip(wire, _per_tensor(offset, len(wire))) if tensor.numel()]
     if any(math.isnan(v) for v in values):
         return float("nan")
     return max(values, default=0.0)
 
 
 @torch.no_grad()
-def within_bound(tensors: Tensors, bound: float) -> bool:
-    """True when every element is finite and within [-bound, bound]: a merged pseudo-gradient that
-    is not could only come from a member that sent garbage (NaN, Inf, unclipped huge values)."""
-    return all(bool(torch.isfinite(t).all()) and (t.numel() == 0 or float(t.abs().max()) <= bound) for t in tensors)
+def within_bound(tensors: Tensors, bound: Union[float, Sequence[float]]) -> bool:
+    """True when every element is finite and within [-bound, bound] (one bound, or one per tensor):
+    a merged pseudo-gradient that is not could only come from a member that sent garbage (NaN, Inf,
+    unclipped huge values)."""
+    return all(bool(torch.isfinite(t).all()) and (t.numel() == 0 or float(t.abs().max()) <= b)
+               for t, b in zip(tensors, _per_tensor(bound, len(tensors))))
 
 
 @torch.no_grad()
@@ -297,9 +355,16 @@ def corrupt_(wire: Tensors, kind: str) -> None:
 
 
 @torch.no_grad()
-def decode_from_wire(averaged: Tensors, offset: float) -> list[torch.Tensor]:
+def wire_roundtrip(values: Tensors, offset: Union[float, Sequence[float]]) -> list[torch.Tensor]:
+    """(C + v) - C: the value a member actually sent with :func:`encode_for_wire` (v rounded to the
+    wire's absolute precision C * 2^-24), comparable with :func:`decode_from_wire`'s result."""
+    return [(tensor + c) - c for tensor, c in zip(values, _per_tensor(offset, len(values)))]
+
+
+@torch.no_grad()
+def decode_from_wire(averaged: Tensors, offset: Union[float, Sequence[float]]) -> list[torch.Tensor]:
     """The merged pseudo-gradient avg - C (exact, by the same argument as :func:`encode_for_wire`)."""
-    return [tensor - offset for tensor in averaged]
+    return [tensor - c for tensor, c in zip(averaged, _per_tensor(offset, len(averaged)))]
 
 
 # ------------------------------------------------------------------------------------------------

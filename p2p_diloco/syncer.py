@@ -26,7 +26,7 @@ from typing import Callable, Optional, Protocol, Sequence
 
 import torch
 
-from p2p_diloco import outer, transport
+from p2p_diloco import outer, transport, wire
 from p2p_diloco.config import OuterConfig
 from p2p_diloco.fragments import FragmentLayout
 from p2p_diloco.schedule import RoundClock, RoundSlot
@@ -103,10 +103,32 @@ class SyncerStats:
     rounds_skipped: int = 0  # slots missed: no snapshot in time, NaN/Inf
     rounds_rejected: int = 0  # rounds whose result was invalid (a member sent garbage): not applied
     reloads: int = 0  # fragments downloaded from peers
-    bytes_sent: int = 0  # all-reduce payload and state served, bytes
-    bytes_received: int = 0  # all-reduce payload and state downloaded, bytes
+    state_bytes_sent: int = 0  # fragment states served to peers (payload), bytes
+    state_bytes_received: int = 0  # fragment states downloaded (payload), bytes
+    peak_bytes_per_step: int = 0  # largest round's bytes (sent + received) per inner step it lasted
     clipped: int = 0  # pseudo-gradient elements clipped to +-max_delta
     group_sizes: list[int] = field(default_factory=list)
+    traffic: Optional[torch.Tensor] = None  # int64 (fragments, 3): round bytes sent, received (codecs), failed elements
+
+    @property
+    def round_bytes_sent(self) -> int:
+        """Bytes of round messages (tensor parts and averaged replies) this island sent."""
+        return int(self.traffic[:, 0].sum()) if self.traffic is not None else 0
+
+    @property
+    def round_bytes_received(self) -> int:
+        """Bytes of round messages this island received."""
+        return int(self.traffic[:, 1].sum()) if self.traffic is not None else 0
+
+    @property
+    def bytes_sent(self) -> int:
+        """All bytes sent: rounds and state served."""
+        return self.round_bytes_sent + self.state_bytes_sent
+
+    @property
+    def bytes_received(self) -> int:
+        """All bytes received: rounds and state downloaded."""
+        return self.round_bytes_received + self.state_bytes_received
 
 
 SwarmBases = Callable[[], list[tuple[str, list[int], list[str]]]]  # (island, versions, hashes)
@@ -151,9 +173,20 @@ class Syncer:
         self.clock = RoundClock(config.period, layout.num_fragments)
         self.offset = outer.wire_offset(config.max_delta)
         self.bound = outer.wire_bound(config.max_delta, self.offset)
+        self.levels = wire.levels_of(config.codec)  # 0: plain fp32 rounds
+        # RDA merges unit directions per tensor; embeddings stay on the plain mean (arXiv 2604.21428)
+        self.rda = [[config.merge == "rda" and "embed" not in name for name in names] for names in layout.fragments]
+        unit_offset = outer.wire_offset(1.0)
+        self.offsets = [[unit_offset if rda else self.offset for rda in flags] for flags in self.rda]
+        self.bounds = [[outer.wire_bound(1.0, unit_offset) if rda else self.bound for rda in flags] for flags in self.rda]
+        if self.levels:  # grid values carry at most half a step of rounding on top
+            self.bounds = [[2.0 * b for b in bounds] for bounds in self.bounds]
         self.flagged: dict[str, float] = {}  # islands caught sending garbage -> until when (wall clock)
         self.strikes: dict[str, int] = {}  # times each island was flagged (its probation doubles each time)
-        self.stats = SyncerStats()
+        # per fragment, shared with its averager process: bytes sent, bytes received (counted by the
+        # codec), elements whose reducer failed in the last all-reduce (-1: unknown)
+        self.traffic = torch.zeros((layout.num_fragments, 3), dtype=torch.int64).share_memory_()
+        self.stats = SyncerStats(traffic=self.traffic)
         self.states: list[Optional[FragmentState]] = [None] * layout.num_fragments
         self.averagers: list = []
         self.buffers = [[torch.zeros(shape) for shape in fragment] for fragment in self.shapes]
@@ -168,6 +201,11 @@ class Syncer:
 
     # ---------------------------------------------------------------- setup (main thread)
 
+    @property
+    def report_bound(self) -> float:
+        """The largest |value| an honest member reports having sent (``delta_max``)."""
+        return max(max(bounds) for bounds in self.bounds)
+
     def prefix(self, fragment: int) -> str:
         """Group-key prefix of one fragment's rounds: islands of another fingerprint never meet ours."""
         return f"{self.run_id}_{self.fingerprint[:12]}_f{fragment}of{self.layout.num_fragments}"
@@ -175,10 +213,15 @@ class Syncer:
     def create_averagers(self, dht) -> None:
         """Start one averager process per fragment (from the main thread: see procs.py)."""
         for p in range(self.layout.num_fragments):
+            codec = wire.make_codec(self.config.codec, self.traffic[p, :2])
+            wire.install(codec)  # in the averager forked next: decodes and encodes the round's messages
             self.averagers.append(
                 transport.make_fragment_averager(
                     self.buffers[p],
                     dht,
+                    codec=codec,
+                    levels=self.levels,
+                    failed=self.traffic[p, 2:],
                     prefix=self.prefix(p),
                     quorum=self.config.quorum,
                     matchmaking_time=self.config.matchmaking_time / 2,
@@ -309,7 +352,7 @@ class Syncer:
         state = self.states[p]
         tensors = [t.clone() for t in state.theta + state.momentum]
         with self._stats_lock:
-            self.stats.bytes_sent += sum(t.numel() * t.element_size() for t in tensors)
+            self.stats.state_bytes_sent += sum(t.numel() * t.element_size() for t in tensors)
         metadata = dict(
             fingerprint=self.fingerprint, fragment=p, version=state.version, hash=state.hash, support=state.support
         )
@@ -343,7 +386,7 @@ class Syncer:
         theta = [t.to(torch.float32).contiguous() for t in tensors[:n]]
         momentum = [t.to(torch.float32).contiguous() for t in tensors[n:]]
         with self._stats_lock:
-            self.stats.bytes_received += sum(t.numel() * t.element_size() for t in tensors)
+            self.stats.state_bytes_received += sum(t.numel() * t.element_size() for t in tensors)
         if not outer.all_finite(theta + momentum):
             logger.warning("ignored a state download with NaN/Inf for fragment %d", p)
             return None
@@ -469,19 +512,29 @@ class Syncer:
             return
         clipped = outer.clip_(delta, cfg.max_delta)
         weight = outer.token_weight(snapshot.tokens, snapshot.steps) / WEIGHT_UNIT
+        # RDA sends unit directions (their norms travel in the gathered metadata), the mean sends Delta
+        values, norms = outer.wire_values(delta, self.rda[p])
         averager = self.averagers[p]
-        with averager.get_tensors() as wire:
-            outer.encode_for_wire(delta, wire, self.offset)
+        with averager.get_tensors() as buffers:
+            if self.levels:  # raw values: the averager puts them on the round's shared grid (wire.py)
+                for value, buffer in zip(values, buffers):
+                    buffer.copy_(value)
+            else:
+                outer.encode_for_wire(values, buffers, self.offsets[p])
             corrupt = self.corrupt  # read once: SIGUSR2 may toggle it meanwhile (testing only)
             if corrupt:
-                outer.corrupt_(wire, corrupt)
-            sent_max = outer.max_abs_sent(wire, self.offset)
+                outer.corrupt_(buffers, corrupt)
+            sent_max = outer.max_abs_sent(buffers, 0.0 if self.levels else self.offsets[p])
+            extra = {"exponents": wire.exponents_report(buffers, self.levels)} if self.levels else {}
         gather = dict(island=self.island, version=state.version, hash=state.hash, weight=weight,
-                      tokens=snapshot.tokens, steps=snapshot.steps, delta_max=sent_max)
+                      tokens=snapshot.tokens, steps=snapshot.steps, delta_max=sent_max, norms=norms, **extra)
         self._keep_away_from_flagged(averager)
         grace = cfg.grace_window if cfg.quorum > 1 else 0.0
         deadline = slot.time + max(grace, cfg.request_timeout)
+        self.traffic[p, 2] = -1  # unknown until the averager tells
+        traffic_before = self.traffic[p, :2].clone()
         gathered = self._all_reduce(averager, gather, weight, slot.time, deadline)
+        self._count_round_traffic(p, traffic_before, time.time() - slot.time, event)
         event |= {"base_version": state.version, "base_hash": state.hash, "weight": weight,
                   "tokens": snapshot.tokens, "steps": snapshot.steps, "clipped": clipped,
                   "contributed": snapshot.steps > 0}
@@ -495,9 +548,8 @@ class Syncer:
         base = snapshot.params  # what the learner's progress is measured from when the result lands
         event["unaveraged"] = 0.0  # share of the fragment no reducer averaged (zeroed): a dropped member
         if gathered is not None and len(members) >= 2:
-            with averager.get_tensors() as wire:
-                merged = outer.decode_from_wire(wire, self.offset)
-            if not outer.within_bound(merged, self.bound):
+            merged, sent = self._read_result(p, averager, values, members)
+            if not outer.within_bound(merged, self.bounds[p]):
                 self._reject(members, event)
                 return
             # a member that stopped answering mid-round was dropped by hivemind: a zero merged
@@ -506,17 +558,24 @@ class Syncer:
             size = sum(t.numel() for t in merged)
             masks = None
             total = sum(max(m["weight"], LISTENER_WEIGHT) for m in members)
-            if total > 0 and 1.0 - max(weight, LISTENER_WEIGHT) / total >= MIN_OTHERS_SHARE:
+            failed = int(self.traffic[p, 2])  # elements whose reducer failed, as hivemind counted (-1: unknown)
+            if failed != 0 and total > 0 and 1.0 - max(weight, LISTENER_WEIGHT) / total >= MIN_OTHERS_SHARE:
                 # (when the others weigh next to nothing, as listeners do, the average rounds back to
                 # what we sent: nothing to tell apart, and their parts could not change ours anyway)
-                masks = outer.find_unaveraged(merged, delta, self.offset, min_run=min(1024, max(2, size // 64)))
+                masks = outer.find_unaveraged(merged, sent, min_run=min(1024, max(2, size // 64)))
             if masks is not None:
-                for tensor, mask in zip(merged, masks):
+                for tensor, value, mask in zip(merged, sent, masks):
                     tensor.masked_fill_(mask, 0.0)  # +0.0: the same bits on every member
-                base = [torch.where(mask, theta, local) for mask, theta, local in zip(masks, state.theta, base)]
+                    value.masked_fill_(mask, 0.0)  # not averaged: as if not sent
                 event["unaveraged"] = sum(int(mask.sum()) for mask in masks) / max(1, size)
+            merged = outer.merge_result(merged, self.rda[p], _member_norms(members, len(merged)),
+                                        [max(m["weight"], LISTENER_WEIGHT) for m in members])
+            # what we could not send (quantization error, parts no reducer averaged) stays in our
+            # local parameters and goes into our next round (error feedback through the carry base)
+            residual = [d - s * n if rda else d - s for d, s, n, rda in zip(delta, sent, norms, self.rda[p])]
+            base = [local + r for local, r in zip(snapshot.params, residual)]
         if gathered is not None and len(members) >= 2 and event["unaveraged"] < 1.0:
-            new_state = self._apply_group_result(p, state, members, merged, delta, event)
+            new_state = self._apply_group_result(p, state, members, merged, event)
         else:
             new_state = self._stepped(state, delta, state.version + 1, 1)
             self._bump("rounds_failed")
@@ -526,21 +585,37 @@ class Syncer:
                             reason=event["outcome"])
         self.events(event | {"new_version": new_state.version, "new_hash": new_state.hash, "t_end": time.time()})
 
+    def _read_result(self, p: int, averager, values: list[torch.Tensor], members: list[dict]):
+        """The round's merged wire values (mean Delta, or mean unit direction for RDA tensors) and the
+        values this member actually sent, both in value space (fp32, shapes of the fragment)."""
+        with averager.get_tensors() as buffers:
+            received = [t.clone() for t in buffers]
+        if not self.levels:
+            return outer.decode_from_wire(received, self.offsets[p]), outer.wire_roundtrip(values, self.offsets[p])
+        grid = wire.shared_exponents([m.get("exponents") for m in members], self.shapes[p])
+        sent = [wire.quantize(v, e, self.levels) for v, e in zip(values, grid)]
+        return [wire.from_wire(r, e) for r, e in zip(received, grid)], sent
+
+    def _count_round_traffic(self, p: int, before: torch.Tensor, seconds: float, event: dict) -> None:
+        """Bytes the fragment's averager moved during the round (counted by its codec), and the peak
+        bytes per inner step: a round's bytes spread over the inner steps it lasted (at least one)."""
+        sent, received = (int(v) for v in (self.traffic[p, :2] - before).tolist())
+        event |= {"bytes_sent": sent, "bytes_received": received}
+        steps = max(1.0, max(0.0, seconds) / max(1e-6, self.learner.step_time))
+        with self._stats_lock:
+            self.stats.peak_bytes_per_step = max(self.stats.peak_bytes_per_step, int((sent + received) / steps))
+
     def _apply_group_result(self, p: int, state: FragmentState, members: list[dict], merged: list[torch.Tensor],
-                            delta: list[torch.Tensor], event: dict) -> FragmentState:
+                            event: dict) -> FragmentState:
         """The new state after a round of 2+ members: the outer step on the canonical base, or the
         result downloaded from a member that holds it when our base was older or a fork."""
         base = (state.version, state.hash)
         canonical = outer.canonical_base([(m["version"], m["hash"]) for m in members])
         new_version = max(m["version"] for m in members) + 1
         support = sum((m["version"], m["hash"]) == canonical for m in members)
-        fragment_bytes = sum(t.numel() * t.element_size() for t in delta)
-        traffic = int(2 * fragment_bytes * (len(members) - 1) / len(members))  # butterfly all-reduce payload
         with self._stats_lock:
             self.stats.rounds_ok += 1
             self.stats.group_sizes.append(len(members))
-            self.stats.bytes_sent += traffic
-            self.stats.bytes_received += traffic
         event |= {"outcome": "ok", "group_size": len(members), "members": sorted(m["island"] for m in members),
                   "group_max_version": new_version - 1, "canonical": base == canonical}
         if sum(m["weight"] for m in members) <= 0.0:
@@ -560,7 +635,7 @@ class Syncer:
         inner progress is lost: it goes into the next round). Members whose own report of what they
         sent is out of bounds are flagged and kept out of our later rounds."""
         culprits = sorted(m["island"] for m in members if m["island"] != self.island
-                          and not _reported_within(m.get("delta_max"), self.bound))
+                          and not _reported_within(m.get("delta_max"), self.report_bound))
         for island in culprits:
             seconds = self._flag(island, "caught")
             if seconds:
@@ -711,6 +786,17 @@ class Syncer:
 
 def _reported_within(value, bound: float) -> bool:
     return isinstance(value, (int, float)) and math.isfinite(value) and abs(value) <= bound
+
+
+def _member_norms(members: list[dict], count: int) -> list[list[float]]:
+    """Each member's per-tensor norms from its gathered metadata (zeros where malformed)."""
+    norms = []
+    for member in members:
+        values = member.get("norms")
+        ok = isinstance(values, list) and len(values) == count and all(
+            isinstance(v, (int, float)) and math.isfinite(v) and v >= 0 for v in values)
+        norms.append([float(v) for v in values] if ok else [0.0] * count)
+    return norms
 
 
 def _valid_member(member) -> bool:

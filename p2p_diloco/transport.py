@@ -259,13 +259,44 @@ def _fragment_averager_class():
         (Theta_p, outer momentum m_p, version) to joining or lagging islands through
         ``get_current_state``, hivemind's documented extension point."""
 
-        def __init__(self, *args, state_provider: Callable[[], tuple[dict, list[torch.Tensor]]], **kwargs):
+        def __init__(self, *args, state_provider: Callable[[], tuple[dict, list[torch.Tensor]]], levels: int = 0,
+                     failed: Optional[torch.Tensor] = None, **kwargs):
             self._state_provider = state_provider
+            self._levels = levels
+            self._failed = failed
             super().__init__(*args, **kwargs)
 
         def get_current_state(self):
             metadata, tensors = self._state_provider()
             return metadata, tensors, None
+
+        async def _aggregate_with_group(self, group_info, min_vector_size: int, **kwargs):
+            """In the averager process, once the group is known and before its all-reduce starts: with
+            a low-bit codec, put the raw values the island wrote on the round's shared grid, from the
+            exponents every member gathered (:func:`p2p_diloco.wire.put_on_grid_`). hivemind's own
+            PowerSGD averager extends this method the same way."""
+            if self._levels:
+                from p2p_diloco import wire
+
+                reports = []
+                for raw in group_info.gathered:
+                    try:
+                        user = self.serializer.loads(self.serializer.loads(raw)[2])
+                        reports.append(user.get("exponents") if isinstance(user, dict) else None)
+                    except Exception:
+                        reports.append(None)
+                with self.get_tensors() as tensors:
+                    wire.put_on_grid_(tensors, reports, self._levels)
+            gathered = await super()._aggregate_with_group(group_info, min_vector_size, **kwargs)
+            if self._failed is not None:
+                # elements whose reducer failed (kept as sent): the island looks for them only when
+                # there are some (a dominant member's result may equal what it sent, by rounding)
+                try:
+                    runner = self._running_groups[group_info.group_id].result()
+                    self._failed.fill_(int(runner.tensor_part_container.failed_size))
+                except Exception:
+                    self._failed.fill_(-1)  # unknown: the island checks
+            return gathered
 
     return FragmentAverager
 
@@ -301,11 +332,16 @@ def make_fragment_averager(
     request_timeout: float,
     allreduce_timeout: float,
     state_provider: Callable[[], tuple[dict, list[torch.Tensor]]],
+    codec=None,
+    levels: int = 0,
+    failed: Optional[torch.Tensor] = None,
 ):
     """Start one fragment's averager process (hivemind ``DecentralizedAverager``).
 
-    Rounds send fp32 without compression: the exact-average encoding of
-    :func:`p2p_diloco.outer.encode_for_wire` relies on it.
+    Rounds send what ``codec`` encodes (a :mod:`p2p_diloco.wire` codec, installed with
+    ``wire.install`` right before this call). With ``levels == 0`` the island writes the
+    exact-average encoding of :func:`p2p_diloco.outer.encode_for_wire` (plain fp32 on the wire);
+    otherwise raw values, which the averager puts on the round's shared grid.
 
     :param tensors: fp32 CPU buffers, one per parameter of the fragment; rounds average them in place
     :param prefix: group-key prefix, unique per (run, fingerprint, fragment); no dots
@@ -315,6 +351,10 @@ def make_fragment_averager(
     :param request_timeout: seconds to wait for a matchmaking answer
     :param allreduce_timeout: seconds an all-reduce may take once the group formed
     :param state_provider: returns (metadata, tensors) served to peers that download the fragment
+    :param codec: hivemind ``CompressionBase`` for the round's messages (None: hivemind's plain fp32)
+    :param levels: L of the low-bit codec (0: none)
+    :param failed: int64 shared-memory tensor of one element: set after each all-reduce to the number of
+        elements whose reducer failed (-1 if hivemind did not tell)
     :returns: the started averager; end it with ``terminate()`` after the DHT is shut down
     """
     FragmentAverager = _fragment_averager_class()
@@ -335,6 +375,9 @@ def make_fragment_averager(
         next_chunk_timeout=chunk_timeout,
         allow_state_sharing=False,
         declare_state_period=10.0,
+        levels=levels,
+        failed=failed,
+        **({"compression": codec} if codec is not None else {}),
         shutdown_timeout=3.0,
         state_provider=state_provider,
     )

@@ -9,7 +9,7 @@ import time
 import pytest
 import torch
 
-from p2p_diloco import outer
+from p2p_diloco import outer, wire
 from p2p_diloco.config import OuterConfig
 from p2p_diloco.fragments import FragmentLayout
 from p2p_diloco.schedule import RoundSlot
@@ -62,15 +62,26 @@ class FakeGroup:
     def _reduce(self):
         if not self.fail:
             weights = [w for _, _, w in self.arrived]
+            reports = [gather.get("exponents") for _, gather, _ in self.arrived]
+            for averager, _, _ in self.arrived:  # what each member's averager does once the group is known
+                if averager.syncer.levels:
+                    wire.put_on_grid_(averager.buffers, reports, averager.syncer.levels)
+            # every message goes through the codecs (counting bytes), a member's to its neighbour
+            codecs = [wire.make_codec(a.syncer.config.codec, a.syncer.traffic[0]) for a, _, _ in self.arrived]
             for index in range(len(self.arrived[0][0].buffers)):
                 acc = torch.zeros_like(self.arrived[0][0].buffers[index])
-                for averager, _, w in self.arrived:
-                    acc.add_(averager.buffers[index], alpha=w)
+                for i, (averager, _, w) in enumerate(self.arrived):
+                    neighbour = codecs[(i + 1) % len(codecs)]
+                    acc.add_(neighbour.extract(codecs[i].compress(averager.buffers[index])), alpha=w)
                 avg = acc.div_(sum(weights))
-                for averager, _, _ in self.arrived:
+                for i, (averager, _, _) in enumerate(self.arrived):
                     buffer = averager.buffers[index]
                     if index != self.failed_tensor:  # hivemind: a failed reducer's part stays as sent
-                        buffer.add_(avg - buffer)
+                        neighbour = codecs[(i + 1) % len(codecs)]
+                        buffer.add_(codecs[i].extract(neighbour.compress(avg - buffer)))
+            for averager, _, _ in self.arrived:  # what the averager reports: elements of failed reducers
+                failed = averager.buffers[self.failed_tensor].numel() if self.failed_tensor >= 0 else 0
+                averager.syncer.traffic[0, 2] = failed
             self.gathered = {f"peer{i}": gather for i, (_, gather, _) in enumerate(self.arrived)}
         self.done.set()
 
@@ -111,10 +122,10 @@ class FakeLearner:
         self.updates.append(update)
 
 
-def _syncer(name, theta, local, bases=lambda: [], corrupt=""):
+def _syncer(name, theta, local, bases=lambda: [], corrupt="", config=CONFIG, layout=LAYOUT, shapes=SHAPES):
     learner = FakeLearner(local)
     events: list[dict] = []
-    syncer = Syncer(run_id="r", fingerprint="f" * 16, island=name, config=CONFIG, layout=LAYOUT, shapes=SHAPES,
+    syncer = Syncer(run_id="r", fingerprint="f" * 16, island=name, config=config, layout=layout, shapes=shapes,
                     learner=learner, events=events.append, swarm_bases=bases, corrupt=corrupt)
     syncer.initialize([theta])
     return syncer, learner, events
@@ -404,3 +415,46 @@ def test_a_restarted_island_adopts_the_flags_of_a_majority():
     assert a.adopt_flags([("b", ["x"]), ("c", ["x"])]) == []  # already flagged
     a.flagged.clear()  # our probation of x is over while the others' still runs
     assert a.adopt_flags([("b", ["x"]), ("c", ["x"])]) == []  # no re-adopting: our own probation decides
+
+
+@pytest.mark.parametrize("codec,merge", [("int4", "mean"), ("none", "rda"), ("int4", "rda"), ("int2", "mean")])
+def test_compressed_and_rda_rounds_keep_members_identical_and_errors_local(codec, merge):
+    config = CONFIG.model_copy(update={"codec": codec, "merge": merge})
+    theta = _params(0)
+    local_a, local_b = [t - 0.01 * g for t, g in zip(theta, _params(1))], [t - 0.03 * g for t, g in zip(theta, _params(2))]
+    a, learner_a, events_a = _syncer("a", theta, local_a, config=config)
+    b, learner_b, events_b = _syncer("b", theta, local_b, config=config)
+    group = FakeGroup(2)
+    a.averagers, b.averagers = [FakeAverager(a, group)], [FakeAverager(b, group)]
+    _round(a, b)
+    assert events_a[-1]["outcome"] == events_b[-1]["outcome"] == "ok"
+    assert a.states[0].hash == b.states[0].hash  # bit-identical Theta on both members
+    deltas = [outer.pseudo_gradient(theta, local_a), outer.pseudo_gradient(theta, local_b)]
+    expected = (outer.rda_mean if merge == "rda" else outer.weighted_mean)(deltas, [1.0, 1.0])
+    # the first Nesterov step moves Theta by lr * (1 + momentum) * merged
+    merged = [(t - new) / (0.7 * 1.9) for t, new in zip(theta, a.states[0].theta)]
+    for j, (got, want) in enumerate(zip(merged, expected)):  # within half a grid step of the exact merge
+        largest = max(float(d[j].abs().max()) for d in deltas)
+        tolerance = 1e-5 if codec == "none" else largest * (1.0 / wire.LEVELS[codec] + 0.05) * (2 if merge == "rda" else 1)
+        torch.testing.assert_close(got, want, rtol=0, atol=tolerance)
+    # what was not sent stays local: carry = Theta_new - (snapshot + residual), |residual| <= half a step
+    for learner, local in ((learner_a, local_a), (learner_b, local_b)):
+        update = learner.updates[-1]
+        assert update.mode == "carry"
+        residual = [new - carry - snap for new, carry, snap in zip(a.states[0].theta, update.tensors, local)]
+        for j, r in enumerate(residual):  # the grid's step fits the larger member's values
+            levels = wire.LEVELS.get(codec, 0)
+            largest = max(float(d[j].abs().max()) for d in deltas)
+            bound = largest / levels if levels else 1e-6
+            assert float(r.abs().max()) <= bound * 1.001 + 1e-6
+        if codec != "none":
+            assert any(float(r.abs().max()) > 0 for r in residual)  # quantization error kept for next time
+    assert events_a[-1]["bytes_sent"] > 0 and events_a[-1]["bytes_received"] > 0
+    assert a.stats.bytes_sent == a.stats.round_bytes_sent == events_a[-1]["bytes_sent"]
+
+
+def test_rda_keeps_embeddings_on_the_plain_mean():
+    layout = FragmentLayout(fragments=(("embed_tokens.weight", "w"),), sizes=(10,))
+    a, _, _ = _syncer("a", _params(0), _params(1), config=CONFIG.model_copy(update={"merge": "rda"}), layout=layout)
+    assert a.rda == [[False, True]]
+    assert a.offsets[0][0] == a.offset and a.offsets[0][1] == outer.wire_offset(1.0)
