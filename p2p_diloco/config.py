@@ -161,6 +161,10 @@ class PeerConfig(_Section):
     slowdown: float = Field(
         1.0, ge=1.0, description="simulate a slower device: each inner step takes this many times longer"
     )
+    slowdown_jitter: float = Field(
+        0.0, ge=0.0, lt=1.0, description="vary each step's slowdown uniformly by this fraction (a device whose "
+        "speed jitters; steps never get faster than the device)",
+    )
     checkpoint_dir: str = Field(
         "", description="save checkpoints here (and resume from the newest valid one at start)"
     )

@@ -230,7 +230,8 @@ class Island:
             raise ConfigError(f"--log-jsonl {config.log_jsonl}: cannot write ({e.strerror or e})") from None
         self.learner = Learner(model=self.model, layout=self.layout, next_batch=sampler.next_batch,
                                eval_data=eval_data, device=self.device, inner=config.inner,
-                               slowdown=config.slowdown, events=self.events)
+                               slowdown=config.slowdown, slowdown_jitter=config.slowdown_jitter,
+                               events=self.events)
         self.device_name = torch.cuda.get_device_name(self.device) if self.device.type == "cuda" else "cpu"
         logger.info(
             "island %s: %s model, %.2fM parameters, %d fragments, device %s, shard %d/%d (%d tokens), fingerprint %s",

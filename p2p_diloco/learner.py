@@ -12,6 +12,7 @@ import collections
 import logging
 import math
 import queue
+import random
 import threading
 import time
 from dataclasses import dataclass, field
@@ -79,6 +80,8 @@ class Learner:
     :param inner: AdamW settings and warm-up
     :param slowdown: each inner step is stretched to this many times its compute time (>= 1), to
         simulate a slower device
+    :param slowdown_jitter: each step's stretch is drawn uniformly from slowdown * (1 +- jitter)
+        (never below 1): a device whose speed varies
     :param events: callable taking an event dict (the JSONL log)
     """
 
@@ -92,10 +95,13 @@ class Learner:
         device: torch.device,
         inner: InnerConfig,
         slowdown: float = 1.0,
+        slowdown_jitter: float = 0.0,
         events: Callable[[dict], None] = lambda event: None,
     ):
         self.model, self.layout, self.next_batch, self.eval_data = model, layout, next_batch, list(eval_data)
         self.device, self.slowdown, self.events = device, slowdown, events
+        self.slowdown_jitter = slowdown_jitter
+        self._jitter_rng = random.Random()
         named = dict(model.named_parameters())
         self.fragment_params = [[named[name] for name in names] for names in layout.fragments]
         decay = [p for p in model.parameters() if p.dim() >= 2]
@@ -223,8 +229,11 @@ class Learner:
         self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
         value = float(loss.item())  # the per-step loss is logged; on CUDA this waits for the step
-        if self.slowdown > 1.0:
-            time.sleep((self.slowdown - 1.0) * (time.perf_counter() - start))
+        stretch = self.slowdown
+        if self.slowdown_jitter > 0:
+            stretch *= 1.0 + self._jitter_rng.uniform(-self.slowdown_jitter, self.slowdown_jitter)
+        if stretch > 1.0:
+            time.sleep((stretch - 1.0) * (time.perf_counter() - start))
         elapsed = time.perf_counter() - start
         stats = self.stats
         stats.inner_steps += 1

@@ -529,8 +529,8 @@ class Syncer:
         gather = dict(island=self.island, version=state.version, hash=state.hash, weight=weight,
                       tokens=snapshot.tokens, steps=snapshot.steps, delta_max=sent_max, norms=norms, **extra)
         self._keep_away_from_flagged(averager)
-        grace = cfg.grace_window if cfg.quorum > 1 else 0.0
-        deadline = slot.time + max(grace, cfg.request_timeout)
+        # past the slot, keep looking for members (up to K, hivemind's min_group_size) for the grace window
+        deadline = slot.time + max(cfg.grace_window, cfg.request_timeout)
         self.traffic[p, 2] = -1  # unknown until the averager tells
         traffic_before = self.traffic[p, :2].clone()
         gathered = self._all_reduce(averager, gather, weight, slot.time, deadline)

@@ -1,0 +1,34 @@
+"""Command-line plumbing shared by the experiment scripts (the logic is in p2p_diloco/experiment.py)."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+from typing import Callable, Sequence
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+
+from p2p_diloco.experiment import Arm, run_experiment  # noqa: E402
+
+
+def main(name: str, title: str, build: Callable[[int], Sequence[Arm]], default_steps: int, doc: str) -> int:
+    """Parse ``--steps`` (inner steps per island, the token budget) and ``--out``, then run the arms."""
+    parser = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--steps", type=int, default=default_steps, help=f"inner steps per island (default {default_steps})")
+    parser.add_argument("--out", default="", help="output folder (default runs/experiments/<name>-<time>)")
+    parser.add_argument("--timeout", type=float, default=1800.0, help="seconds one arm may take")
+    args = parser.parse_args()
+    if args.steps < 1:
+        parser.error("--steps must be at least 1")
+    out = Path(args.out or f"runs/experiments/{name}-{time.strftime('%Y%m%d-%H%M%S')}")
+    try:
+        run_experiment(name, title, build(args.steps), out, timeout=args.timeout)
+    except KeyboardInterrupt:
+        print("interrupted: every process of the running arm was stopped", file=sys.stderr)
+        return 130
+    except RuntimeError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+    return 0
