@@ -107,6 +107,10 @@ class OuterConfig(_Section):
         "snapshot) or mix (alpha*local + (1-alpha)*global, arXiv 2501.18512)",
     )
     alpha: float = Field(0.5, ge=0.0, le=1.0, description="mix weight of the local parameters for apply=mix")
+    overlap_steps: int = Field(
+        0, ge=0, description="tau: a round's result lands no earlier than this many inner steps after its "
+        "snapshot (Streaming DiLoCo's overlap, arXiv 2501.18512); 0: as soon as the round ends",
+    )
     max_delta: float = Field(
         1.0, gt=0.0, description="largest |pseudo-gradient| element exchanged; larger elements are clipped"
     )

@@ -376,7 +376,7 @@ class Island:
 
     def _capture(self) -> ckpt.IslandCheckpoint:
         """A consistent checkpoint of this island, taken on the learner thread at a step boundary."""
-        states = self.syncer.consistent_states(self.learner.apply_updates)
+        states = self.syncer.consistent_states(lambda: self.learner.apply_updates(force=True))
         inner = self.learner.capture()
         fragments = [ckpt.GlobalFragment(s.theta, s.momentum, s.version, s.hash, s.support) for s in states]
         meta = inner["meta"] | {"sampler": self.sampler.rng.bit_generator.state}

@@ -121,6 +121,7 @@ class Learner:
         self.marks = [(0, 0)] * layout.num_fragments
         self._requests: "queue.SimpleQueue[_SnapshotRequest]" = queue.SimpleQueue()
         self._updates: "queue.SimpleQueue[OuterUpdate]" = queue.SimpleQueue()
+        self._held: list[OuterUpdate] = []  # delivered, waiting for their not_before_step (learner thread)
         self._accepting = True
         self._step_time_ema = 0.0
         self._throughput = collections.deque(maxlen=64)  # (time, tokens)
@@ -172,9 +173,13 @@ class Learner:
         self.answer_snapshots()
 
     @torch.no_grad()
-    def apply_updates(self) -> None:
-        """Apply every queued :class:`OuterUpdate` to the live parameters."""
-        for update in _drain(self._updates):
+    def apply_updates(self, force: bool = False) -> None:
+        """Apply the queued :class:`OuterUpdate` s to the live parameters, in order; an update whose
+        ``not_before_step`` is still ahead (``outer.overlap_steps``) waits, with those after it,
+        unless ``force`` (snapshots and checkpoints must see every delivered update)."""
+        self._held.extend(_drain(self._updates))
+        while self._held and (force or self._held[0].not_before_step <= self.stats.inner_steps):
+            update = self._held.pop(0)
             params = self.fragment_params[update.fragment]
             if update.mode == "carry":
                 outer.apply_carry(params, update.tensors)
@@ -196,14 +201,14 @@ class Learner:
         syncer reports in its round.
         """
         for request in _drain(self._requests):
-            self.apply_updates()
+            self.apply_updates(force=True)
             with request.lock:
                 if request.cancelled:
                     continue  # the syncer gave up waiting
                 p = request.fragment
                 copies = [param.detach().to("cpu", torch.float32, copy=True) for param in self.fragment_params[p]]
                 tokens, steps = self.stats.tokens, self.stats.inner_steps
-                request.result = Snapshot(p, copies, tokens - self.marks[p][0], steps - self.marks[p][1])
+                request.result = Snapshot(p, copies, tokens - self.marks[p][0], steps - self.marks[p][1], steps)
                 self.marks[p] = (tokens, steps)
                 request.done.set()
 

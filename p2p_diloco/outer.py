@@ -72,11 +72,12 @@ def unit_directions(delta: Tensors) -> tuple[list[torch.Tensor], list[float]]:
     """Per tensor, Delta / ||Delta|| (zeros where ||Delta|| = 0) and ||Delta||: what an island puts on
     the wire and in the round's gathered metadata for radial-directional averaging (RDA).
 
-    Directions are fp32 with |elements| <= 1 (shapes as ``delta``); norms are Python floats.
+    Directions are fp32 with |elements| <= 1 (shapes as ``delta``); norms are Python floats, summed
+    in float64 (a member's own norm travels in the metadata, so other machines need not recompute it).
     """
     units, norms = [], []
     for tensor in delta:
-        norm = _exact_norm(tensor)
+        norm = float(torch.linalg.vector_norm(tensor.detach().to(torch.float64)))
         units.append(tensor / norm if norm > 0.0 else torch.zeros_like(tensor))
         norms.append(norm)
     return units, norms

@@ -46,6 +46,7 @@ class Snapshot:
     params: list[torch.Tensor]  # fp32 CPU copies in fragment order, shapes as the parameters
     tokens: int  # tokens trained since this fragment's previous snapshot
     steps: int  # inner steps in that time
+    step: int = 0  # the learner's inner step count when the snapshot was taken
 
 
 @dataclass
@@ -66,6 +67,7 @@ class OuterUpdate:
     version: int
     reason: str  # the round outcome that produced it, or "reload"
     reset_optimizer: bool = False
+    not_before_step: int = 0  # land no earlier than this inner step (overlap tau); 0: at once
 
 
 class LearnerLink(Protocol):
@@ -582,7 +584,8 @@ class Syncer:
             event |= {"outcome": "fallback", "group_size": 1 if gathered is None else len(members)}
         if new_state is not state:
             self._hand_over(p, new_state, base=base if event["outcome"] == "ok" else snapshot.params,
-                            reason=event["outcome"])
+                            reason=event["outcome"],
+                            not_before=snapshot.step + cfg.overlap_steps if cfg.overlap_steps else 0)
         self.events(event | {"new_version": new_state.version, "new_hash": new_state.hash, "t_end": time.time()})
 
     def _read_result(self, p: int, averager, values: list[torch.Tensor], members: list[dict]):
@@ -756,25 +759,29 @@ class Syncer:
         return FragmentState(theta, momentum, version, outer.tensors_hash(theta), support)
 
     def _hand_over(self, p: int, state: FragmentState, *, base: Optional[list[torch.Tensor]], reason: str,
-                   reset_optimizer: bool = False) -> None:
+                   reset_optimizer: bool = False, not_before: int = 0) -> None:
         """Make ``state`` the island's Theta_p and send it to the learner; ``base`` is what the
-        learner's progress is measured from (None: replace the local parameters outright). Delivery
-        and publication happen together under a lock, so :meth:`consistent_states` never sees one
-        without the other."""
+        learner's progress is measured from (None: replace the local parameters outright);
+        ``not_before``: the inner step before which the learner keeps training without it (overlap).
+        Delivery and publication happen together under a lock, so :meth:`consistent_states` never
+        sees one without the other."""
         if base is None:
             update = OuterUpdate(p, "replace", state.theta, 0.0, state.version, reason, reset_optimizer)
         elif self.config.apply == "mix":
-            update = OuterUpdate(p, "mix", state.theta, self.config.alpha, state.version, reason)
+            update = OuterUpdate(p, "mix", state.theta, self.config.alpha, state.version, reason,
+                                 not_before_step=not_before)
         else:
-            update = OuterUpdate(p, "carry", outer.carry_correction(state.theta, base), 0.0, state.version, reason)
+            update = OuterUpdate(p, "carry", outer.carry_correction(state.theta, base), 0.0, state.version, reason,
+                                 not_before_step=not_before)
         with self._commit_lock:
             self.learner.deliver(update)
             if self.states[p] is not state:
                 self._publish(p, state)
 
     def consistent_states(self, apply_updates: Callable[[], None]) -> list[FragmentState]:
-        """The current Theta states, with ``apply_updates`` (the learner's) run under the same lock:
-        the local parameters then include exactly the updates of the states returned (checkpoints)."""
+        """The current Theta states, with ``apply_updates`` (the learner's, applying every delivered
+        update) run under the same lock: the local parameters then include exactly the updates of the
+        states returned (checkpoints)."""
         with self._commit_lock:
             apply_updates()
             return list(self.states)

@@ -86,3 +86,14 @@ def test_every_field_has_a_flag():
         model = type(getattr(cfg.PeerConfig(run_id="r", island="i"), section))
         for name in model.model_fields:
             assert cfg.flag_for((section, name)) in flags
+
+
+def test_codec_and_merge_choices_are_checked():
+    from p2p_diloco.config import OuterConfig
+
+    assert OuterConfig().codec == "none" and OuterConfig().merge == "mean"
+    assert OuterConfig(codec="int4", merge="rda").codec == "int4"
+    with pytest.raises(Exception, match="codec"):
+        OuterConfig(codec="int3")
+    with pytest.raises(Exception, match="merge"):
+        OuterConfig(merge="median")

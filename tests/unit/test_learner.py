@@ -84,3 +84,22 @@ def test_training_lowers_the_loss_and_times_the_steps():
     assert learner.run(stop, max_steps=60, eval_every=1e9) == "max_steps"
     assert learner.evaluate() < first
     assert 0.0 < learner.stats.utilization <= 1.0 and learner.stats.inner_steps == 60
+
+
+def test_updates_wait_for_their_overlap_step_unless_forced():
+    learner = _learner()
+    learner.train_step()
+    params = learner.fragment_params[0]
+    before = [p.detach().clone() for p in params]
+    ones = [torch.ones_like(p) for p in params]
+    learner.deliver(OuterUpdate(0, "carry", ones, 0.0, 1, "ok", not_before_step=3))  # snapshot at step 1, tau 2
+    learner.deliver(OuterUpdate(0, "carry", ones, 0.0, 2, "ok"))  # queued behind it: order is kept
+    learner.service()
+    assert learner.stats.updates_applied == 0 and all(torch.equal(p, b) for p, b in zip(params, before))
+    learner.train_step()
+    learner.train_step()  # step 3
+    learner.service()
+    assert learner.stats.updates_applied == 2
+    learner.deliver(OuterUpdate(0, "carry", ones, 0.0, 3, "ok", not_before_step=100))
+    learner.apply_updates(force=True)  # snapshots and checkpoints see every delivered update
+    assert learner.stats.updates_applied == 3

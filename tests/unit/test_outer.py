@@ -234,3 +234,32 @@ def test_rda_edge_cases_one_contributor_cancelling_directions_zero_weight():
     units, norms = outer.unit_directions([torch.zeros(4), torch.tensor([3.0, 4.0])])
     assert torch.equal(units[0], torch.zeros(4)) and norms == [0.0, 5.0]
     torch.testing.assert_close(units[1], torch.tensor([0.6, 0.8]))
+
+
+def test_merge_result_rescales_rda_tensors_to_the_mean_norm_and_leaves_mean_tensors():
+    generator = torch.Generator().manual_seed(5)
+    deltas = [[torch.randn(4, 3, generator=generator) * s, torch.randn(5, generator=generator) * s] for s in (0.2, 1.0)]
+    weights = [1.0, 3.0]
+    rda = [True, False]
+    sent = [outer.wire_values(d, rda) for d in deltas]
+    assert sent[0][1][1] == 0.0 and sent[0][1][0] == pytest.approx(float(deltas[0][0].norm()))
+    averaged = outer.weighted_mean([values for values, _ in sent], weights)
+    merged = outer.merge_result(averaged, rda, [norms for _, norms in sent], weights)
+    reference = outer.rda_mean(deltas, weights)
+    torch.testing.assert_close(merged[0], reference[0], rtol=1e-5, atol=1e-6)  # RDA tensor
+    torch.testing.assert_close(merged[1], outer.weighted_mean(deltas, weights)[1])  # mean tensor untouched
+    assert outer.merge_result(averaged, [False, False], [], weights) == averaged  # no RDA: as averaged
+    assert outer.mean_norms([[1.0, 2.0], [3.0, 4.0]], [1.0, 1.0]) == [2.0, 3.0]
+    assert outer.mean_norms([[1.0], [3.0]], [0.0, 0.0]) == [0.0]  # zero weight: no division
+
+
+def test_per_tensor_offsets_and_bounds():
+    values = [torch.tensor([0.5, -0.25]), torch.tensor([0.75])]
+    out = [torch.empty(2), torch.empty(1)]
+    outer.encode_for_wire(values, out, [4.0, 8.0])
+    assert out[0].tolist() == [4.5, 3.75] and out[1].tolist() == [8.75]
+    assert [t.tolist() for t in outer.decode_from_wire(out, [4.0, 8.0])] == [[0.5, -0.25], [0.75]]
+    assert outer.max_abs_sent(out, [4.0, 8.0]) == 0.75
+    assert outer.within_bound(values, [0.5, 1.0]) and not outer.within_bound(values, [0.4, 1.0])
+    with pytest.raises(ValueError, match="2 values for 1 tensors"):
+        outer.encode_for_wire(values[:1], out[:1], [1.0, 2.0])
