@@ -173,24 +173,36 @@ class Learner:
         self.answer_snapshots()
 
     @torch.no_grad()
-    def apply_updates(self, force: bool = False) -> None:
-        """Apply the queued :class:`OuterUpdate` s to the live parameters, in order; an update whose
-        ``not_before_step`` is still ahead (``outer.overlap_steps``) waits, with those after it,
-        unless ``force`` (snapshots and checkpoints must see every delivered update)."""
+    def apply_updates(self, force: bool = False, fragment: Optional[int] = None) -> None:
+        """Apply the queued :class:`OuterUpdate` s to the live parameters, each fragment's in order; an
+        update whose ``not_before_step`` is still ahead (``outer.overlap_steps``) waits, with the later
+        ones of its fragment, unless ``force`` (checkpoints must see every delivered update) or it is
+        of ``fragment`` (a snapshot of that fragment must see its updates)."""
         self._held.extend(_drain(self._updates))
-        while self._held and (force or self._held[0].not_before_step <= self.stats.inner_steps):
-            update = self._held.pop(0)
-            params = self.fragment_params[update.fragment]
-            if update.mode == "carry":
-                outer.apply_carry(params, update.tensors)
-            elif update.mode == "mix":
-                outer.apply_mix(params, update.tensors, update.alpha)
-            else:  # replace
-                for param, theta in zip(params, update.tensors, strict=True):
-                    param.copy_(theta)
-                    if update.reset_optimizer:
-                        self.optimizer.state.pop(param, None)  # AdamW starts these moments afresh
-            self.stats.updates_applied += 1
+        waiting, blocked = [], set()
+        for update in self._held:
+            ready = force or update.fragment == fragment or update.not_before_step <= self.stats.inner_steps
+            if update.fragment in blocked or not ready:
+                blocked.add(update.fragment)
+                waiting.append(update)
+                continue
+            self._apply(update)
+        self._held = waiting
+
+    @torch.no_grad()
+    def _apply(self, update: OuterUpdate) -> None:
+        """Land one update on its fragment's live parameters."""
+        params = self.fragment_params[update.fragment]
+        if update.mode == "carry":
+            outer.apply_carry(params, update.tensors)
+        elif update.mode == "mix":
+            outer.apply_mix(params, update.tensors, update.alpha)
+        else:  # replace
+            for param, theta in zip(params, update.tensors, strict=True):
+                param.copy_(theta)
+                if update.reset_optimizer:
+                    self.optimizer.state.pop(param, None)  # AdamW starts these moments afresh
+        self.stats.updates_applied += 1
 
     @torch.no_grad()
     def answer_snapshots(self) -> None:
@@ -201,7 +213,7 @@ class Learner:
         syncer reports in its round.
         """
         for request in _drain(self._requests):
-            self.apply_updates(force=True)
+            self.apply_updates(fragment=request.fragment)
             with request.lock:
                 if request.cancelled:
                     continue  # the syncer gave up waiting

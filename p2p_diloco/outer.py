@@ -148,6 +148,13 @@ def wire_values(delta: Tensors, rda: Sequence[bool]) -> tuple[list[torch.Tensor]
     return values, norms
 
 
+def rescale(direction: torch.Tensor, norm: float) -> torch.Tensor:
+    """``norm * direction / ||direction||`` (zeros for a zero direction): what an RDA member's rounded
+    unit direction stands for in the merge, to measure what it could not send (error feedback)."""
+    length = float(torch.linalg.vector_norm(direction.detach().to(torch.float64)))
+    return direction * (norm / length) if length > 0.0 else torch.zeros_like(direction)
+
+
 def merge_result(averaged: Tensors, rda: Sequence[bool], norms: Sequence[Sequence[float]],
                  weights: Sequence[float], eps: float = 1e-6) -> list[torch.Tensor]:
     """The merged pseudo-gradient from a round's averaged values: the weighted mean as it is, and

@@ -24,6 +24,7 @@ from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass, field
 from typing import Callable, Optional, Protocol, Sequence
 
+import numpy as np
 import torch
 
 from p2p_diloco import outer, transport, wire
@@ -189,6 +190,17 @@ class Syncer:
         # codec), elements whose reducer failed in the last all-reduce (-1: unknown)
         self.traffic = torch.zeros((layout.num_fragments, 3), dtype=torch.int64).share_memory_()
         self.stats = SyncerStats(traffic=self.traffic)
+        # written by each fragment's averager process after its all-reduce (transport.make_fragment_averager)
+        self.chunks = [wire.num_chunks(shapes) for shapes in self.shapes]
+        self.shared = [{"grid": torch.zeros(self.chunks[p], dtype=torch.int16).share_memory_(),
+                        "failed_mask": torch.zeros(sum(s.numel() for s in self.shapes[p]), dtype=torch.uint8).share_memory_(),
+                        "failed": self.traffic[p, 2:]} for p in range(layout.num_fragments)]
+        self._grids: list[list[torch.Tensor]] = [[] for _ in range(layout.num_fragments)]
+        # the largest grid exponent and RDA norm an honest member can have (values clipped to max_delta)
+        self.ceilings = [[wire.ceiling_exponent(1.0 if rda else config.max_delta, self.levels) if self.levels else 0
+                          for rda in flags] for flags in self.rda]
+        self.norm_limits = [[config.max_delta * math.sqrt(s.numel()) * (1 + 1e-6) + 1e-30 for s in shapes]
+                            for shapes in self.shapes]
         self.states: list[Optional[FragmentState]] = [None] * layout.num_fragments
         self.averagers: list = []
         self.buffers = [[torch.zeros(shape) for shape in fragment] for fragment in self.shapes]
@@ -223,7 +235,8 @@ class Syncer:
                     dht,
                     codec=codec,
                     levels=self.levels,
-                    failed=self.traffic[p, 2:],
+                    shared=self.shared[p],
+                    ceilings=self.ceilings[p],
                     prefix=self.prefix(p),
                     quorum=self.config.quorum,
                     matchmaking_time=self.config.matchmaking_time / 2,
@@ -534,6 +547,7 @@ class Syncer:
         # past the slot, keep looking for members (up to K, hivemind's min_group_size) for the grace window
         deadline = slot.time + max(cfg.grace_window, cfg.request_timeout)
         self.traffic[p, 2] = -1  # unknown until the averager tells
+        self.shared[p]["grid"].fill_(wire.TOP_EXPONENT)  # (a grid that carries nothing, until it tells)
         traffic_before = self.traffic[p, :2].clone()
         gathered = self._all_reduce(averager, gather, weight, slot.time, deadline)
         self._count_round_traffic(p, traffic_before, time.time() - slot.time, event)
@@ -550,32 +564,32 @@ class Syncer:
         base = snapshot.params  # what the learner's progress is measured from when the result lands
         event["unaveraged"] = 0.0  # share of the fragment no reducer averaged (zeroed): a dropped member
         if gathered is not None and len(members) >= 2:
-            merged, sent = self._read_result(p, averager, values, members)
-            if not outer.within_bound(merged, self.bounds[p]):
-                self._reject(members, event)
+            merged, sent = self._read_result(p, averager, values)
+            culprits = self._misreporting(p, members)
+            if culprits or not self._valid_result(p, merged):
+                self._reject(members, event, culprits)
                 return
-            # a member that stopped answering mid-round was dropped by hivemind: a zero merged
-            # pseudo-gradient in the parts it was to reduce (alike on every member), and the island
-            # keeps its local progress there for the next round (see outer.find_unaveraged)
-            size = sum(t.numel() for t in merged)
-            masks = None
-            total = sum(max(m["weight"], LISTENER_WEIGHT) for m in members)
-            failed = int(self.traffic[p, 2])  # elements whose reducer failed, as hivemind counted (-1: unknown)
-            if failed != 0 and total > 0 and 1.0 - max(weight, LISTENER_WEIGHT) / total >= MIN_OTHERS_SHARE:
-                # (when the others weigh next to nothing, as listeners do, the average rounds back to
-                # what we sent: nothing to tell apart, and their parts could not change ours anyway)
-                masks = outer.find_unaveraged(merged, sent, min_run=min(1024, max(2, size // 64)))
+            masks = self._unaveraged_masks(p, merged, sent, members, weight)
             if masks is not None:
-                for tensor, value, mask in zip(merged, sent, masks):
+                for tensor, value, mask, use_rda in zip(merged, sent, masks, self.rda[p]):
+                    if use_rda and bool(mask.any()):
+                        mask.fill_(True)  # a direction with a hole has no norm to rescale to: drop it all
                     tensor.masked_fill_(mask, 0.0)  # +0.0: the same bits on every member
                     value.masked_fill_(mask, 0.0)  # not averaged: as if not sent
-                event["unaveraged"] = sum(int(mask.sum()) for mask in masks) / max(1, size)
+                event["unaveraged"] = sum(int(mask.sum()) for mask in masks) / max(1, sum(t.numel() for t in merged))
             merged = outer.merge_result(merged, self.rda[p], _member_norms(members, len(merged)),
                                         [max(m["weight"], LISTENER_WEIGHT) for m in members])
-            # what we could not send (quantization error, parts no reducer averaged) stays in our
-            # local parameters and goes into our next round (error feedback through the carry base)
-            residual = [d - s * n if rda else d - s for d, s, n, rda in zip(delta, sent, norms, self.rda[p])]
-            base = [local + r for local, r in zip(snapshot.params, residual)]
+            if not outer.all_finite(merged):
+                self._reject(members, event, [])
+                return
+            # what we could not send (quantization error, parts no reducer averaged; everything for a
+            # listener) stays in our local parameters and goes into our next round (error feedback
+            # through the carry base). An RDA tensor lands as our norm along our (rounded) direction.
+            if weight <= 0.0:
+                sent = [torch.zeros_like(d) for d in delta]
+            else:
+                sent = [outer.rescale(s, n) if rda else s for s, n, rda in zip(sent, norms, self.rda[p])]
+            base = [local + (d - s) for local, d, s in zip(snapshot.params, delta, sent)]
         if gathered is not None and len(members) >= 2 and event["unaveraged"] < 1.0:
             new_state = self._apply_group_result(p, state, members, merged, event)
         else:
@@ -588,16 +602,67 @@ class Syncer:
                             not_before=snapshot.step + cfg.overlap_steps if cfg.overlap_steps else 0)
         self.events(event | {"new_version": new_state.version, "new_hash": new_state.hash, "t_end": time.time()})
 
-    def _read_result(self, p: int, averager, values: list[torch.Tensor], members: list[dict]):
+    def _read_result(self, p: int, averager, values: list[torch.Tensor]):
         """The round's merged wire values (mean Delta, or mean unit direction for RDA tensors) and the
-        values this member actually sent, both in value space (fp32, shapes of the fragment)."""
+        values this member actually sent, both in value space (fp32, shapes of the fragment); with a
+        low-bit codec, on the grid the averager process used (its word, from shared memory)."""
         with averager.get_tensors() as buffers:
             received = [t.clone() for t in buffers]
         if not self.levels:
             return outer.decode_from_wire(received, self.offsets[p]), outer.wire_roundtrip(values, self.offsets[p])
-        grid = wire.shared_exponents([m.get("exponents") for m in members], self.shapes[p])
+        grid = wire.split_grid(self.shared[p]["grid"], self.shapes[p])
+        self._grids[p] = grid
         sent = [wire.quantize(v, e, self.levels) for v, e in zip(values, grid)]
         return [wire.from_wire(r, e) for r, e in zip(received, grid)], sent
+
+    def _valid_result(self, p: int, merged: list[torch.Tensor]) -> bool:
+        """The averaged values are what honest members can produce: finite, within the bounds, and on
+        a low-bit grid within its range (else some member sent garbage or values off the grid)."""
+        if not outer.within_bound(merged, self.bounds[p]):
+            return False
+        if self.levels:
+            return all(wire.within_grid(t, e, self.levels) for t, e in zip(merged, self._grids[p]))
+        return True
+
+    def _misreporting(self, p: int, members: list[dict]) -> list[str]:
+        """Members whose gathered metadata no honest member would send: a largest sent value out of
+        bounds (NaN, Inf, huge), grid exponents beyond what that value needs, or RDA norms that no
+        clipped pseudo-gradient can have. Their round is rejected and they are flagged."""
+        culprits = []
+        for m in members:
+            honest = _reported_within(m.get("delta_max"), self.report_bound)
+            if honest and self.levels:
+                report = m.get("exponents")
+                needed = wire.ceiling_exponent(max(float(m["delta_max"]), 0.0), self.levels)
+                honest = (isinstance(report, (bytes, bytearray)) and len(report) == 2 * self.chunks[p]
+                          and int(np.frombuffer(report, dtype="<i2").max(initial=wire.EMPTY_EXPONENT)) <= needed)
+            if honest and any(self.rda[p]):
+                norms = m.get("norms")
+                honest = isinstance(norms, list) and len(norms) == len(self.rda[p]) and all(
+                    isinstance(n, (int, float)) and 0.0 <= n <= limit for n, limit in zip(norms, self.norm_limits[p]))
+            if not honest:
+                culprits.append(m["island"])
+        return sorted(c for c in culprits if c != self.island)
+
+    def _unaveraged_masks(self, p: int, merged: list[torch.Tensor], sent: list[torch.Tensor], members: list[dict],
+                          weight: float) -> Optional[list[torch.Tensor]]:
+        """Where hivemind dropped a member that stopped answering mid-round: the parts it was to
+        reduce kept each member's own values. They get a zero merged pseudo-gradient (alike on every
+        member that saw the same failure) and the island keeps its local progress there.
+
+        The averager records those elements exactly (``shared["failed_mask"]``); only if it could not
+        (``failed == -1``) are they guessed from the result (:func:`outer.find_unaveraged`)."""
+        failed = int(self.traffic[p, 2])
+        if failed == 0:
+            return None
+        if failed > 0:
+            mask = self.shared[p]["failed_mask"].to(torch.bool)
+            return [part.view(t.shape).clone() for part, t in zip(torch.split(mask, [t.numel() for t in merged]), merged)]
+        total = sum(max(m["weight"], LISTENER_WEIGHT) for m in members)
+        if total <= 0 or 1.0 - max(weight, LISTENER_WEIGHT) / total < MIN_OTHERS_SHARE:
+            return None  # the others weigh next to nothing (listeners): nothing to tell apart
+        size = sum(t.numel() for t in merged)
+        return outer.find_unaveraged(merged, sent, min_run=min(1024, max(2, size // 64)))
 
     def _count_round_traffic(self, p: int, before: torch.Tensor, seconds: float, event: dict) -> None:
         """Bytes the fragment's averager moved during the round (counted by its codec), and the peak
@@ -632,13 +697,15 @@ class Syncer:
         # without a donor, keep training on our own fork: the next round's base check heals it
         return fresh if fresh is not None else self._stepped(state, merged, new_version, 1)
 
-    def _reject(self, members: list[dict], event: dict) -> None:
-        """A member sent NaN, Inf or unclipped values: the round's result is not applied by anyone
-        (every member sees the same result and decides alike, so their Theta stay identical and no
-        inner progress is lost: it goes into the next round). Members whose own report of what they
-        sent is out of bounds are flagged and kept out of our later rounds."""
-        culprits = sorted(m["island"] for m in members if m["island"] != self.island
-                          and not _reported_within(m.get("delta_max"), self.report_bound))
+    def _reject(self, members: list[dict], event: dict, culprits: Optional[list[str]] = None) -> None:
+        """A member sent NaN, Inf, unclipped values or lied in its metadata: the round's result is not
+        applied by anyone (every member sees the same result and metadata and decides alike, so their
+        Theta stay identical and no inner progress is lost: it goes into the next round). Members whose
+        own report of what they sent is out of bounds (or ``culprits`` found otherwise) are flagged and
+        kept out of our later rounds."""
+        culprits = sorted(set(culprits or []) | {
+            m["island"] for m in members if m["island"] != self.island
+            and not _reported_within(m.get("delta_max"), self.report_bound)})
         for island in culprits:
             seconds = self._flag(island, "caught")
             if seconds:
@@ -812,5 +879,7 @@ def _valid_member(member) -> bool:
         and isinstance(member.get("version"), int)
         and isinstance(member.get("hash"), str)
         and isinstance(member.get("weight"), (int, float))
+        and math.isfinite(member["weight"])
+        and member["weight"] >= 0
         and isinstance(member.get("island"), str)
     )

@@ -260,10 +260,10 @@ def _fragment_averager_class():
         ``get_current_state``, hivemind's documented extension point."""
 
         def __init__(self, *args, state_provider: Callable[[], tuple[dict, list[torch.Tensor]]], levels: int = 0,
-                     failed: Optional[torch.Tensor] = None, **kwargs):
+                     shared: Optional[dict] = None, ceilings: Optional[Sequence[int]] = None, **kwargs):
             self._state_provider = state_provider
-            self._levels = levels
-            self._failed = failed
+            self._levels, self._ceilings = levels, ceilings
+            self._shared = shared or {}
             super().__init__(*args, **kwargs)
 
         def get_current_state(self):
@@ -271,10 +271,19 @@ def _fragment_averager_class():
             return metadata, tensors, None
 
         async def _aggregate_with_group(self, group_info, min_vector_size: int, **kwargs):
-            """In the averager process, once the group is known and before its all-reduce starts: with
-            a low-bit codec, put the raw values the island wrote on the round's shared grid, from the
-            exponents every member gathered (:func:`p2p_diloco.wire.put_on_grid_`). hivemind's own
-            PowerSGD averager extends this method the same way."""
+            """In the averager process, once the group is known and around its all-reduce (hivemind's
+            own PowerSGD averager extends this method the same way):
+
+            - with a low-bit codec, put the raw values the island wrote on the round's shared grid,
+              from the exponents every member gathered (:func:`p2p_diloco.wire.put_on_grid_`), and
+              tell the island which grid was used (``shared["grid"]``);
+            - record exactly which elements kept this member's own values because their reducer
+              failed (``shared["failed_mask"]``, ``shared["failed"]``: their number, -1 if unknown).
+            """
+            import asyncio
+
+            from hivemind.utils.asyncio import enter_asynchronously
+
             if self._levels:
                 from p2p_diloco import wire
 
@@ -285,20 +294,69 @@ def _fragment_averager_class():
                         reports.append(user.get("exponents") if isinstance(user, dict) else None)
                     except Exception:
                         reports.append(None)
-                with self.get_tensors() as tensors:
-                    wire.put_on_grid_(tensors, reports, self._levels)
+                async with enter_asynchronously(self.get_tensors()) as tensors:
+                    grid = await asyncio.get_event_loop().run_in_executor(
+                        None, wire.put_on_grid_, tensors, reports, self._levels, self._ceilings)
+                self._shared["grid"].copy_(grid)
+            recorder = _FailureRecorder(self._shared.get("failed_mask"))
+            future = self._running_groups.get(group_info.group_id)
+            if future is not None:
+                future.add_done_callback(recorder.attach)  # runs before any reducer can have failed
             gathered = await super()._aggregate_with_group(group_info, min_vector_size, **kwargs)
-            if self._failed is not None:
-                # elements whose reducer failed (kept as sent): the island looks for them only when
-                # there are some (a dominant member's result may equal what it sent, by rounding)
-                try:
-                    runner = self._running_groups[group_info.group_id].result()
-                    self._failed.fill_(int(runner.tensor_part_container.failed_size))
-                except Exception:
-                    self._failed.fill_(-1)  # unknown: the island checks
+            if "failed" in self._shared:
+                self._shared["failed"].fill_(recorder.count())
             return gathered
 
     return FragmentAverager
+
+
+class _FailureRecorder:
+    """Wraps one all-reduce's ``register_failed_reducer`` (hivemind keeps the member's own values for
+    the parts of a reducer that failed) to mark those elements, in the flattened order of the
+    averaged tensors, in ``mask`` (uint8, shared with the island)."""
+
+    def __init__(self, mask: Optional[torch.Tensor]):
+        self.mask, self.container = mask, None
+        if mask is not None:
+            mask.zero_()
+
+    def attach(self, future) -> None:
+        try:
+            container = future.result().tensor_part_container
+            original = container.register_failed_reducer
+        except Exception as e:
+            logger.debug("cannot watch for failed reducers: %r", e)
+            return
+
+        def record(peer_index: int) -> None:
+            try:
+                self._mark(container, peer_index)
+            except Exception as e:  # never let bookkeeping break the all-reduce
+                logger.debug("cannot record failed reducer parts: %r", e)
+                self.container = None
+            original(peer_index)
+
+        container.register_failed_reducer = record
+        self.container = container
+
+    def _mark(self, container, peer_index: int) -> None:
+        starts, position = [], 0
+        for tensor in container.local_tensors:
+            starts.append((tensor.data_ptr(), tensor.data_ptr() + tensor.numel() * tensor.element_size(), position,
+                           tensor.element_size()))
+            position += tensor.numel()
+        first = container._outputs_registered_by_peer[peer_index]
+        for part, _info in list(container._input_parts_by_peer[peer_index])[first:]:
+            pointer = part.data_ptr()
+            begin, _end, offset, size = next(entry for entry in starts if entry[0] <= pointer < entry[1])
+            index = offset + (pointer - begin) // size
+            self.mask[index:index + part.numel()] = 1
+
+    def count(self) -> int:
+        """Elements whose reducer failed, or -1 when they could not be recorded exactly."""
+        if self.container is None or self.mask is None:
+            return -1
+        return int(self.container.failed_size)
 
 
 def next_chunk_timeout(allreduce_timeout: float) -> float:
@@ -334,7 +392,8 @@ def make_fragment_averager(
     state_provider: Callable[[], tuple[dict, list[torch.Tensor]]],
     codec=None,
     levels: int = 0,
-    failed: Optional[torch.Tensor] = None,
+    shared: Optional[dict] = None,
+    ceilings: Optional[Sequence[int]] = None,
 ):
     """Start one fragment's averager process (hivemind ``DecentralizedAverager``).
 
@@ -353,8 +412,11 @@ def make_fragment_averager(
     :param state_provider: returns (metadata, tensors) served to peers that download the fragment
     :param codec: hivemind ``CompressionBase`` for the round's messages (None: hivemind's plain fp32)
     :param levels: L of the low-bit codec (0: none)
-    :param failed: int64 shared-memory tensor of one element: set after each all-reduce to the number of
-        elements whose reducer failed (-1 if hivemind did not tell)
+    :param shared: shared-memory tensors the averager process writes for the island after each
+        all-reduce: ``grid`` (int16, the chunk exponents used, with a low-bit codec), ``failed_mask``
+        (uint8 per element: 1 where the reducer failed) and ``failed`` (int64, one element: how many
+        failed, -1 if unknown)
+    :param ceilings: per tensor, the largest grid exponent an honest member needs
     :returns: the started averager; end it with ``terminate()`` after the DHT is shut down
     """
     FragmentAverager = _fragment_averager_class()
@@ -376,7 +438,8 @@ def make_fragment_averager(
         allow_state_sharing=False,
         declare_state_period=10.0,
         levels=levels,
-        failed=failed,
+        shared=shared,
+        ceilings=ceilings,
         **({"compression": codec} if codec is not None else {}),
         shutdown_timeout=3.0,
         state_provider=state_provider,

@@ -9,14 +9,18 @@ all use the largest (:func:`shared_exponents`, computed in each member's average
 known). On the wire a value is y = 1.5 * 2^(e+23) + q: all values of a chunk then lie in one fp32
 binade whose spacing is s / 2^GUARD_BITS (s / 4), so
 
-- the reducer's fp32 weighted average A of the members' y is exact up to that spacing,
+- the reducer's fp32 weighted average A of the members' y is rounded to that spacing (each of its
+  fp32 additions rounds relative to the sum, so A carries about 0.2 s of rounding per member; the
+  finer binade keeps this below the grid's own quantization error),
 - the reply ``A - y_i`` that hivemind sends back to each member is exact (Sterbenz lemma), and
 - every member ends with the same bits ``y_i + (A - y_i) == A``, whatever its own values.
 
 Members starting from the same Theta therefore still end with the same Theta after a compressed
 round, as with uncompressed rounds (:func:`p2p_diloco.outer.encode_for_wire`). What a member could
 not send (``Delta - q``) stays in its local parameters and goes into its next round (error feedback
-through the syncer's carry base).
+through the syncer's carry base; with ``apply = "mix"`` there is no carry base and the error is
+dropped). The grid a round used is written by the averager into shared memory and read back by the
+island, so the two never disagree; member reports are capped at what an honest member can need.
 
 **Codecs**: :class:`GridCodec` packs such values losslessly: a chunk's uplink values need
 ceil(log2(2L+1)) bits (4 for int4), the replies at most GUARD_BITS + 1 more (7 for int4, fewer
@@ -25,8 +29,9 @@ Both are hivemind ``CompressionBase`` implementations that count the bytes they 
 
 hivemind picks the decoder of a message by its protobuf ``CompressionType``, which has no slot for
 user codecs; :func:`install` puts ours in the ``BLOCKWISE_8BIT`` slot (bitsandbytes' codec, which
-p2p_diloco never uses) of the process that is about to fork an averager. Only our averagers talk to
-each other through these groups (their keys carry the run fingerprint, which names the codec).
+p2p_diloco never uses) of the process that is about to fork an averager (Linux's default start
+method up to Python 3.13; a spawned averager would keep hivemind's codec). Only our averagers talk
+to each other through these groups (their keys carry the run fingerprint, which names the codec).
 """
 
 from __future__ import annotations
@@ -45,6 +50,8 @@ EMPTY_EXPONENT = -120  # an all-zero chunk (and the finest step: its wire values
 TOP_EXPONENT = 100  # a chunk with NaN/Inf or absurd values: the round's result is rejected anyway
 BLOCK = 256  # elements per block of the signed-grid wire format (its own step and bit width)
 GUARD_BITS = 2  # the wire binade is 2^GUARD_BITS times finer than the grid: the reducer's fp32 sums round less
+
+MAX_MESSAGE_VALUES = 1 << 30  # a tensor part larger than this is refused before decoding
 
 _RAW, _BINADE, _BLOCKS = 0, 1, 2
 
@@ -96,14 +103,18 @@ def exponents_report(tensors: Sequence[torch.Tensor], levels: int) -> bytes:
     return torch.cat([chunk_exponents(t, levels) for t in tensors]).numpy().astype("<i2").tobytes()
 
 
-def shared_exponents(reports: Sequence, shapes: Sequence[torch.Size]) -> list[torch.Tensor]:
+def shared_exponents(reports: Sequence, shapes: Sequence[torch.Size],
+                     ceilings: Optional[Sequence[int]] = None) -> list[torch.Tensor]:
     """The round's grid: per tensor and chunk, the largest exponent any member reported (so no member
-    clips). Reports that are not bytes of the right length (a malformed member) are ignored; with
-    none left, every chunk gets :data:`TOP_EXPONENT` (a grid so coarse the round carries nothing).
-    Every member computes the same result from the same gathered metadata.
+    clips), capped at the tensor's ceiling (what an honest member can need: a member that reports
+    more cannot coarsen everyone's grid beyond it, and the syncer flags it). Reports that are not
+    bytes of the right length (a malformed member) are ignored; with none left, every chunk gets
+    :data:`TOP_EXPONENT` (a grid so coarse the round carries nothing). Every member computes the same
+    result from the same gathered metadata.
 
     :param reports: :func:`exponents_report` of each member
     :param shapes: the shapes of the averaged tensors
+    :param ceilings: per tensor, the largest exponent allowed (:func:`ceiling_exponent`), or None
     :returns: int16 tensors, one per tensor, of shape (ceil(numel / CHUNK),)
     """
     counts = [-(-int(np.prod(shape, dtype=np.int64)) // CHUNK) for shape in shapes]
@@ -111,7 +122,25 @@ def shared_exponents(reports: Sequence, shapes: Sequence[torch.Size]) -> list[to
     valid = [np.frombuffer(r, dtype="<i2") for r in reports if isinstance(r, (bytes, bytearray)) and len(r) == 2 * total]
     merged = np.max(np.stack(valid), axis=0) if valid else np.full(total, TOP_EXPONENT, dtype=np.int16)
     merged = np.clip(merged, EMPTY_EXPONENT, TOP_EXPONENT).astype(np.int16)
-    return [torch.from_numpy(part.copy()) for part in np.split(merged, np.cumsum(counts)[:-1])] if counts else []
+    parts = [torch.from_numpy(part.copy()) for part in np.split(merged, np.cumsum(counts)[:-1])] if counts else []
+    if ceilings is not None:
+        parts = [part.clamp(max=int(ceiling)) for part, ceiling in zip(parts, ceilings, strict=True)]
+    return parts
+
+
+def ceiling_exponent(bound: float, levels: int) -> int:
+    """The exponent a chunk needs when its largest |value| is ``bound`` (e.g. max_delta, or 1 for
+    unit directions): no honest member reports more."""
+    return int(chunk_exponents(torch.tensor([float(bound)]), levels)[0])
+
+
+def within_grid(values: torch.Tensor, exponents: torch.Tensor, levels: int) -> bool:
+    """True when every element is finite and within (L + 1) steps of zero for its chunk: a round's
+    result on the grid is a weighted mean of values within L steps, so anything else came from a
+    member that did not put its values on the grid (and may not be exactly representable)."""
+    flat = values.detach().reshape(-1).to(torch.float64)
+    limit = (levels + 1) * torch.exp2(_per_element(exponents, flat.numel()))
+    return bool(torch.isfinite(flat).all()) and bool((flat.abs() <= limit).all())
 
 
 def _per_element(exponents: torch.Tensor, numel: int) -> torch.Tensor:
@@ -149,11 +178,28 @@ def from_wire(y: torch.Tensor, exponents: torch.Tensor) -> torch.Tensor:
     return (y.reshape(-1).to(torch.float64) - centre).to(torch.float32).view_as(y)
 
 
-def put_on_grid_(tensors: Sequence[torch.Tensor], reports: Sequence, levels: int) -> None:
+def put_on_grid_(tensors: Sequence[torch.Tensor], reports: Sequence, levels: int,
+                 ceilings: Optional[Sequence[int]] = None) -> torch.Tensor:
     """In the averager, once the group is known: replace each raw value x in ``tensors`` (in place)
-    by its wire value on the round's shared grid, ``to_wire(quantize(x))``."""
-    for tensor, exponents in zip(tensors, shared_exponents(reports, [t.shape for t in tensors])):
+    by its wire value on the round's shared grid, ``to_wire(quantize(x))``.
+
+    :returns: the grid used (int16, every tensor's chunk exponents in sequence), for the island
+    """
+    grid = shared_exponents(reports, [t.shape for t in tensors], ceilings)
+    for tensor, exponents in zip(tensors, grid):
         to_wire(quantize(tensor, exponents, levels), exponents, tensor)
+    return torch.cat(grid) if grid else torch.zeros(0, dtype=torch.int16)
+
+
+def split_grid(flat: torch.Tensor, shapes: Sequence[torch.Size]) -> list[torch.Tensor]:
+    """The per-tensor chunk exponents of a grid returned by :func:`put_on_grid_`."""
+    counts = [-(-int(np.prod(shape, dtype=np.int64)) // CHUNK) for shape in shapes]
+    return [part.clone() for part in torch.split(flat, counts)]
+
+
+def num_chunks(shapes: Sequence[torch.Size]) -> int:
+    """Chunks of :data:`CHUNK` elements over all tensors (each tensor's last chunk may be short)."""
+    return sum(-(-int(np.prod(shape, dtype=np.int64)) // CHUNK) for shape in shapes)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -215,7 +261,9 @@ def encode_grid(flat: np.ndarray) -> bytes:
       (what members send: 4 bits per value for int4);
     - *blocks* format otherwise: per block of :data:`BLOCK` values, the block's coarsest common
       power-of-two step g and signed codes x / g, each block with its own bit width (what reducers
-      send back: 5 bits per value for int4).
+      send back: 5 to 7 bits per value for int4).
+
+    Decoding returns the input bit for bit, except that -0.0 comes back as +0.0 in the blocks format.
     """
     flat = flat.astype(np.float32, copy=False).reshape(-1)
     if flat.size == 0 or not np.isfinite(flat).all():
@@ -267,19 +315,26 @@ def _encode_blocks(values: np.ndarray) -> Optional[bytes]:
     return b"".join(parts)
 
 
-def decode(payload: bytes) -> np.ndarray:
+def decode(payload: bytes, expected: Optional[int] = None) -> np.ndarray:
     """The flat fp32 values of :func:`encode_raw` or :func:`encode_grid` output.
 
-    :raises ValueError: for a payload in no known format
+    :param expected: the number of values the message must hold (its tensor's size), checked before
+        anything is allocated, so that a short malicious message cannot claim billions of values
+    :raises ValueError: for a payload in no known format, or whose sizes do not add up
     """
     if not payload:
         raise ValueError("empty payload")
     kind = payload[0]
     if kind == _RAW:
+        if expected is not None and len(payload) != 1 + 4 * expected:
+            raise ValueError(f"raw payload of {len(payload)} bytes for {expected} values")
         return np.frombuffer(payload, dtype="<f4", offset=1).copy()
     if kind == _BINADE:
         width, shift, count, runs = struct.unpack_from("<BBII", payload, 1)
         at = 11
+        if (expected is not None and count != expected) or not 1 <= width <= 56 or runs > count or (
+                len(payload) != at + 6 * runs + -(-count * width // 8)):
+            raise ValueError("malformed binade payload")
         starts = np.frombuffer(payload, dtype="<u4", count=runs, offset=at).astype(np.int64)
         binades = np.frombuffer(payload, dtype="<i2", count=runs, offset=at + 4 * runs).astype(np.int64)
         at += 6 * runs
@@ -291,9 +346,14 @@ def decode(payload: bytes) -> np.ndarray:
         (count,) = struct.unpack_from("<I", payload, 1)
         num_blocks = -(-count // BLOCK)
         at = 5
+        if (expected is not None and count != expected) or len(payload) < at + 3 * num_blocks:
+            raise ValueError("malformed blocks payload")
         step = np.frombuffer(payload, dtype="<i2", count=num_blocks, offset=at).astype(np.int64)
         widths = np.frombuffer(payload, dtype="u1", count=num_blocks, offset=at + 2 * num_blocks).astype(np.int64)
         at += 3 * num_blocks
+        sizes = {int(w): -(-int((widths == w).sum()) * BLOCK * int(w) // 8) for w in np.unique(widths) if w}
+        if widths.max(initial=0) > 56 or len(payload) != at + sum(sizes.values()):
+            raise ValueError("malformed blocks payload")
         codes = np.zeros((num_blocks, BLOCK), dtype=np.int64)
         for width in np.unique(widths):
             if width:
@@ -345,8 +405,11 @@ def _codec_base():
 
         def extract(self, serialized_tensor) -> torch.Tensor:
             self._count(1, serialized_tensor)
-            values = torch.from_numpy(decode(serialized_tensor.buffer))
-            return values.reshape(tuple(serialized_tensor.size))
+            size = tuple(serialized_tensor.size)
+            count = int(np.prod(size, dtype=np.int64)) if size else 1
+            if count > MAX_MESSAGE_VALUES:
+                raise ValueError(f"a message of {count} values is larger than any fragment part")
+            return torch.from_numpy(decode(serialized_tensor.buffer, expected=count)).reshape(size)
 
         def estimate_compression_ratio(self, info) -> float:
             return self.bits / 32.0

@@ -103,3 +103,18 @@ def test_updates_wait_for_their_overlap_step_unless_forced():
     learner.deliver(OuterUpdate(0, "carry", ones, 0.0, 3, "ok", not_before_step=100))
     learner.apply_updates(force=True)  # snapshots and checkpoints see every delivered update
     assert learner.stats.updates_applied == 3
+
+
+def test_a_snapshot_forces_only_its_own_fragments_held_updates():
+    learner = _learner()
+    learner.train_step()
+    ones = [[torch.ones_like(p) for p in params] for params in learner.fragment_params]
+    learner.deliver(OuterUpdate(0, "carry", ones[0], 0.0, 1, "ok", not_before_step=50))
+    learner.deliver(OuterUpdate(1, "carry", ones[1], 0.0, 1, "ok", not_before_step=50))
+    learner.deliver(OuterUpdate(1, "replace", [torch.zeros_like(p) for p in learner.fragment_params[1]], 0.0, 1,
+                                "reload"))  # behind fragment 1's held update: waits with it
+    learner.apply_updates()
+    assert learner.stats.updates_applied == 0
+    learner.apply_updates(fragment=1)  # a snapshot of fragment 1 is asked for
+    assert learner.stats.updates_applied == 2 and len(learner._held) == 1
+    assert all(torch.equal(p.detach(), torch.zeros_like(p)) for p in learner.fragment_params[1])

@@ -6,6 +6,7 @@ import contextlib
 import threading
 import time
 
+import numpy as np
 import pytest
 import torch
 
@@ -64,8 +65,10 @@ class FakeGroup:
             weights = [w for _, _, w in self.arrived]
             reports = [gather.get("exponents") for _, gather, _ in self.arrived]
             for averager, _, _ in self.arrived:  # what each member's averager does once the group is known
-                if averager.syncer.levels:
-                    wire.put_on_grid_(averager.buffers, reports, averager.syncer.levels)
+                syncer = averager.syncer
+                if syncer.levels:
+                    grid = wire.put_on_grid_(averager.buffers, reports, syncer.levels, syncer.ceilings[0])
+                    syncer.shared[0]["grid"].copy_(grid)
             # every message goes through the codecs (counting bytes), a member's to its neighbour
             codecs = [wire.make_codec(a.syncer.config.codec, a.syncer.traffic[0]) for a, _, _ in self.arrived]
             for index in range(len(self.arrived[0][0].buffers)):
@@ -80,8 +83,12 @@ class FakeGroup:
                         neighbour = codecs[(i + 1) % len(codecs)]
                         buffer.add_(codecs[i].extract(neighbour.compress(avg - buffer)))
             for averager, _, _ in self.arrived:  # what the averager reports: elements of failed reducers
-                failed = averager.buffers[self.failed_tensor].numel() if self.failed_tensor >= 0 else 0
-                averager.syncer.traffic[0, 2] = failed
+                mask = averager.syncer.shared[0]["failed_mask"]
+                mask.zero_()
+                if self.failed_tensor >= 0:
+                    start = sum(b.numel() for b in averager.buffers[:self.failed_tensor])
+                    mask[start:start + averager.buffers[self.failed_tensor].numel()] = 1
+                averager.syncer.traffic[0, 2] = int(mask.sum())
             self.gathered = {f"peer{i}": gather for i, (_, gather, _) in enumerate(self.arrived)}
         self.done.set()
 
@@ -104,7 +111,11 @@ class FakeAverager:
     def get_tensors(self):
         yield self.buffers
 
+    tamper = None  # a test may rewrite this member's gathered metadata (a lying member)
+
     def step(self, *, gather, weight, **_):
+        if self.tamper is not None:
+            gather = self.tamper(dict(gather))
         return self.group.step(self, gather, weight)
 
     def load_state_from_peers(self, wait=True, timeout=None):
@@ -458,3 +469,49 @@ def test_rda_keeps_embeddings_on_the_plain_mean():
     a, _, _ = _syncer("a", _params(0), _params(1), config=CONFIG.model_copy(update={"merge": "rda"}), layout=layout)
     assert a.rda == [[False, True]]
     assert a.offsets[0][0] == a.offset and a.offsets[0][1] == outer.wire_offset(1.0)
+
+
+@pytest.mark.parametrize("codec,merge,lie", [
+    ("none", "rda", lambda g: g | {"norms": [1e300] * len(g["norms"])}),  # no clipped Delta is that long
+    ("int4", "mean", lambda g: g | {"exponents": np.full(len(g["exponents"]) // 2, 30, "<i2").tobytes()}),
+    ("int4", "mean", lambda g: g | {"delta_max": float("inf")}),
+])
+def test_a_member_lying_in_its_metadata_gets_the_round_rejected_and_is_flagged(codec, merge, lie):
+    config = CONFIG.model_copy(update={"codec": codec, "merge": merge})
+    theta = _params(0)
+    a, learner_a, events_a = _syncer("a", theta, [t - 0.01 * g for t, g in zip(theta, _params(1))], config=config)
+    b, _, _ = _syncer("b", theta, [t - 0.02 * g for t, g in zip(theta, _params(2))], config=config)
+    group = FakeGroup(2)
+    a.averagers, b.averagers = [FakeAverager(a, group)], [FakeAverager(b, group)]
+    b.averagers[0].tamper = lie
+    _round(a, b)
+    assert events_a[-1]["outcome"] == "rejected" and events_a[-1]["culprits"] == ["b"]
+    assert "b" in a.flagged and a.versions == [0] and not learner_a.updates
+
+
+def test_a_member_with_a_non_finite_weight_is_not_a_member():
+    theta = _params(0)
+    a, _, events_a = _syncer("a", theta, [t - 0.01 * g for t, g in zip(theta, _params(1))])
+    b, _, _ = _syncer("b", theta, [t - 0.02 * g for t, g in zip(theta, _params(2))])
+    group = FakeGroup(2)
+    a.averagers, b.averagers = [FakeAverager(a, group)], [FakeAverager(b, group)]
+    b.averagers[0].tamper = lambda g: g | {"weight": float("nan")}
+    _round(a, b)
+    assert events_a[-1]["outcome"] == "fallback" and events_a[-1]["group_size"] == 1
+
+
+def test_a_listener_keeps_its_whole_pseudo_gradient_for_later():
+    config = CONFIG.model_copy(update={"codec": "int4"})
+    theta = _params(0)
+    local_a = [t - 0.01 * g for t, g in zip(theta, _params(1))]
+    a, learner_a, events_a = _syncer("a", theta, local_a, config=config)
+    b, _, _ = _syncer("b", theta, [t - 0.02 * g for t, g in zip(theta, _params(2))], config=config)
+    learner_a.request_snapshot = lambda fragment, timeout: Snapshot(fragment, [p.clone() for p in local_a], 0, 0)
+    group = FakeGroup(2)
+    a.averagers, b.averagers = [FakeAverager(a, group)], [FakeAverager(b, group)]
+    _round(a, b)
+    assert events_a[-1]["outcome"] == "ok" and events_a[-1]["weight"] == 0.0
+    update = learner_a.updates[-1]
+    base = [new - carry for new, carry in zip(a.states[0].theta, update.tensors)]
+    for got, want in zip(base, theta):  # base = snapshot + Delta = the old Theta: all local progress kept
+        torch.testing.assert_close(got, want, rtol=0, atol=1e-6)

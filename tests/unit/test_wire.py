@@ -152,3 +152,59 @@ def test_install_makes_hivemind_decode_our_messages():
     finally:
         serialization._BASE_COMPRESSION_TYPES.clear()
         serialization._BASE_COMPRESSION_TYPES.update(before)
+
+
+def test_a_short_message_cannot_claim_more_values_than_its_tensor():
+    import struct
+
+    bomb = struct.pack("<BBBII", 1, 8, 0, 1 << 31, 1) + b"\x00" * 6  # claims 2^31 one-byte codes
+    with pytest.raises(ValueError, match="malformed"):
+        wire.decode(bomb, expected=4)
+    with pytest.raises(ValueError, match="malformed"):
+        wire.decode(bomb)  # even without the tensor's size: the payload is far too short
+    good = wire.encode_grid(np.full(10, 1.5, dtype=np.float32))
+    with pytest.raises(ValueError):
+        wire.decode(good, expected=11)
+    codec = wire.make_codec("int4")
+    message = codec.compress(torch.full((10,), 1.5))
+    message.size[:] = [1 << 20, 1 << 20]
+    with pytest.raises(ValueError, match="larger than any fragment part"):
+        codec.extract(message)
+
+
+def test_grid_ceilings_and_range_checks():
+    reports = [wire.exponents_report([torch.full((10,), 1e30)], 7)]  # a member claiming a huge step
+    (capped,) = wire.shared_exponents(reports, [torch.Size([10])], ceilings=[wire.ceiling_exponent(1.0, 7)])
+    assert capped.tolist() == [wire.ceiling_exponent(1.0, 7)]
+    exponents = torch.tensor([-3], dtype=torch.int16)
+    assert wire.within_grid(torch.full((4,), 8 * 2.0**-3), exponents, 7)  # L + 1 steps: rounding room
+    assert not wire.within_grid(torch.full((4,), 9 * 2.0**-3), exponents, 7)
+    assert not wire.within_grid(torch.tensor([float("nan")]), exponents, 7)
+
+
+def test_the_failure_recorder_marks_exactly_the_parts_of_a_failed_reducer():
+    from concurrent.futures import Future
+    from types import SimpleNamespace
+
+    from hivemind.averaging.partition import TensorPartContainer
+
+    from p2p_diloco.transport import _FailureRecorder
+
+    tensors = [torch.zeros(30), torch.zeros(7, 5)]  # 65 elements, parts of 8 values
+    container = TensorPartContainer(tensors, peer_fractions=(0.5, 0.3, 0.2), part_size_bytes=32)
+    mask = torch.ones(65, dtype=torch.uint8)
+    recorder = _FailureRecorder(mask)
+    assert int(mask.sum()) == 0
+    future = Future()
+    future.set_result(SimpleNamespace(tensor_part_container=container))
+    recorder.attach(future)
+    assert recorder.count() == 0
+    container.register_failed_reducer(1)
+    expected = torch.zeros(65, dtype=torch.uint8)
+    position = 0
+    for peer, parts in enumerate(container._input_parts_by_peer):
+        for part, _ in parts:
+            if peer == 1:
+                expected[position:position + part.numel()] = 1
+            position += part.numel()
+    assert torch.equal(mask, expected) and recorder.count() == int(expected.sum()) > 0
