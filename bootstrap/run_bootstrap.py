@@ -2,7 +2,7 @@
 """Thin entry point of the bootstrap role: same as `p2p-diloco bootstrap ...`."""
 import sys
 
-from p2p_diloco.cli import main
+from p2p_diloco.cli import run
 
 if __name__ == "__main__":
-    sys.exit(main(["bootstrap", *sys.argv[1:]]))
+    run(["bootstrap", *sys.argv[1:]])

@@ -1,5 +1,3 @@
-import sys
+from p2p_diloco.cli import run
 
-from p2p_diloco.cli import main
-
-sys.exit(main())
+run()

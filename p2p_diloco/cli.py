@@ -89,6 +89,23 @@ def setup_logging(verbose: bool) -> None:
     logging.getLogger("p2p_diloco").setLevel(logging.DEBUG if verbose else logging.INFO)
 
 
+_ISLAND_RAN = False  # set once an island ran in this process (see run())
+
+
+def run(argv: Optional[Sequence[str]] = None) -> None:
+    """Console entry point: :func:`main`, then exit. After an island, the process ends with
+    ``os._exit`` once logs are flushed: everything it started is already shut down explicitly, and
+    the interpreter's own teardown can abort in C++ destructors (torch's thread pools) while a
+    daemon thread still holds them ("terminate called without an active exception", exit 134)."""
+    code = main(argv)
+    if _ISLAND_RAN:
+        logging.shutdown()
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
+    sys.exit(code)
+
+
 def main(argv: Optional[Sequence[str]] = None) -> int:
     """Entry point of ``p2p-diloco``; returns the exit code (0 ok, 1 helper died, 2 config/data,
     3 network, 4 fingerprint, 130 interrupted)."""
@@ -116,6 +133,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         else:
             from p2p_diloco.island import run_peer
 
+            global _ISLAND_RAN
+            _ISLAND_RAN = True
             summary = run_peer(config_lib.build_config(config_lib.PeerConfig, args, args.config), stop)
             if summary and summary["stop_reason"] == "helper_died":
                 return 1

@@ -19,12 +19,19 @@ def main(name: str, title: str, build: Callable[[int], Sequence[Arm]], default_s
     parser.add_argument("--steps", type=int, default=default_steps, help=f"inner steps per island (default {default_steps})")
     parser.add_argument("--out", default="", help="output folder (default runs/experiments/<name>-<time>)")
     parser.add_argument("--timeout", type=float, default=1800.0, help="seconds one arm may take")
+    parser.add_argument("--arms", nargs="+", default=None, metavar="ARM", help="run only these arms (by name)")
     args = parser.parse_args()
     if args.steps < 1:
         parser.error("--steps must be at least 1")
+    arms = list(build(args.steps))
+    if args.arms:
+        unknown = sorted(set(args.arms) - {arm.name for arm in arms})
+        if unknown:
+            parser.error(f"unknown arm(s) {', '.join(unknown)}; this experiment has {', '.join(a.name for a in arms)}")
+        arms = [arm for arm in arms if arm.name in args.arms]
     out = Path(args.out or f"runs/experiments/{name}-{time.strftime('%Y%m%d-%H%M%S')}")
     try:
-        run_experiment(name, title, build(args.steps), out, timeout=args.timeout)
+        run_experiment(name, title, arms, out, timeout=args.timeout)
     except KeyboardInterrupt:
         print("interrupted: every process of the running arm was stopped", file=sys.stderr)
         return 130
