@@ -467,6 +467,7 @@ class Island:
             rounds_ok=sync.rounds_ok, rounds_failed=sync.rounds_failed, rounds_rejected=sync.rounds_rejected,
             flagged=sorted(list(self.syncer.flagged)),
             bytes_sent=sync.bytes_sent, bytes_received=sync.bytes_received,
+            peak_bytes_per_step=sync.peak_bytes_per_step,
             utilization=float(stats.utilization),
             goodput=float(min(1.0, stats.inner_time / max(1e-9, time.time() - self.launched))),
             started=float(stats.first_step_start), time=time.time(),

@@ -43,6 +43,7 @@ class IslandProgress(BaseModel):
     flagged: List[StrictStr]  # islands this one caught sending garbage
     bytes_sent: Count
     bytes_received: Count
+    peak_bytes_per_step: Count = 0  # largest round's bytes (sent + received) per inner step it lasted
     utilization: confloat(ge=0.0, le=1.0, strict=True)  # time in inner steps / wall time since first step
     goodput: confloat(ge=0.0, le=1.0, strict=True)  # time in inner steps / wall time since the island started
     started: StrictFloat  # wall-clock time of the first inner step (0 before it)

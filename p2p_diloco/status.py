@@ -15,17 +15,22 @@ from p2p_diloco.records import IslandProgress, ProgressBoard, make_validators
 def swarm_snapshot(records: list[IslandProgress], run_id: str, now: float | None = None) -> dict:
     """The JSON view of ``status --json``: every live island's record plus swarm totals."""
     now = time.time() if now is None else now
-    islands = [r.dict() | {"last_seen_s": round(max(0.0, now - r.time), 2)} for r in records]
+    islands = [r.dict() | {"last_seen_s": round(max(0.0, now - r.time), 2),
+                           "bytes_per_token": round(r.bytes_sent / r.tokens, 3) if r.tokens else None}
+               for r in records]
+    tokens = sum(r.tokens for r in records)
     training = [r for r in records if r.state == "training"]
     totals = {
         "islands": len(records),
         "training": len(training),
-        "tokens": sum(r.tokens for r in records),
+        "tokens": tokens,
         "tokens_per_second": round(sum(r.tokens_per_second for r in training), 2),
         "rounds_ok": sum(r.rounds_ok for r in records),
         "rounds_failed": sum(r.rounds_failed for r in records),
         "mean_utilization": round(sum(r.utilization for r in training) / len(training), 4) if training else None,
         "bytes_sent": sum(r.bytes_sent for r in records),
+        "bytes_per_token": round(sum(r.bytes_sent for r in records) / tokens, 3) if tokens else None,
+        "peak_bytes_per_step": max((r.peak_bytes_per_step for r in records), default=0),
         "flagged": sorted({name for r in records for name in r.flagged}),
     }
     return {"run_id": run_id, "time": now, "islands": islands, "totals": totals}
@@ -42,12 +47,12 @@ def render_table(snapshot: dict):
     flagged = f"; flagged as faulty: {', '.join(totals['flagged'])}" if totals["flagged"] else ""
     table = Table(
         title=f"run {snapshot['run_id']}: {totals['islands']} islands, {totals['tokens'] / 1e6:.2f}M tokens, "
-        f"{totals['tokens_per_second']:,.0f} tok/s, rounds {totals['rounds_ok']} ok/{totals['rounds_failed']} failed"
-        f"{flagged}",
+        f"{totals['tokens_per_second']:,.0f} tok/s, rounds {totals['rounds_ok']} ok/{totals['rounds_failed']} failed, "
+        f"{fmt(totals['bytes_per_token'], '{:,.1f}')} bytes/token sent{flagged}",
         title_justify="left",
     )
     for column in ("island", "peer id", "device", "state", "step", "tokens", "tok/s", "loss", "eval",
-                   "versions", "rounds ok/failed", "util", "last seen", "flagged"):
+                   "versions", "rounds ok/failed", "util", "bytes/tok", "peak B/step", "last seen", "flagged"):
         table.add_column(column, justify="left" if column in ("island", "peer id", "device", "state", "flagged")
                          else "right")
     for r in snapshot["islands"]:
@@ -55,7 +60,8 @@ def render_table(snapshot: dict):
             r["island"], "…" + r["peer_id"][-8:], r["device"], r["state"], str(r["inner_step"]),
             f"{r['tokens'] / 1e6:.2f}M", f"{r['tokens_per_second']:,.0f}", fmt(r["loss"]), fmt(r["eval_loss"]),
             ",".join(map(str, r["fragment_versions"])), f"{r['rounds_ok']}/{r['rounds_failed']}",
-            f"{r['utilization']:.3f}", f"{r['last_seen_s']:.0f}s", ",".join(r["flagged"]) or "-",
+            f"{r['utilization']:.3f}", fmt(r["bytes_per_token"], "{:,.1f}"), f"{r['peak_bytes_per_step']:,}",
+            f"{r['last_seen_s']:.0f}s", ",".join(r["flagged"]) or "-",
         )
     return table
 

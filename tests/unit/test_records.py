@@ -59,3 +59,21 @@ def test_signature_binds_the_record_to_its_subkey():
     forged = DHTRecord(signed.key, DHTProtocol.serializer.dumps(other_key), signed.value, signed.expiration_time)
     assert signature.validate(signed)
     assert not signature.validate(forged)
+
+
+def test_status_shows_bytes_per_token_and_peak_bytes_per_step():
+    from rich.console import Console
+
+    from p2p_diloco.status import render_table, swarm_snapshot
+
+    records = [_record(tokens=1000, bytes_sent=5000, peak_bytes_per_step=700),
+               _record(island="i1", tokens=3000, bytes_sent=3000, peak_bytes_per_step=900), _record(island="i2", tokens=0)]
+    snapshot = swarm_snapshot(records, "run")
+    assert [i["bytes_per_token"] for i in snapshot["islands"]] == [5.0, 1.0, None]
+    assert snapshot["totals"]["bytes_per_token"] == pytest.approx(8010 / 4000, abs=1e-3)
+    assert snapshot["totals"]["peak_bytes_per_step"] == 900
+    console = Console(width=250, record=True)
+    console.print(render_table(snapshot))
+    text = console.export_text()
+    assert "bytes/tok" in text and "900" in text and "2.0 bytes/token sent" in text
+    assert _record().peak_bytes_per_step == 0  # records of older islands still validate
