@@ -1,7 +1,9 @@
 """Low-bit codes for outer gradients: uniform integer codes with one scale per chunk, and E3M0
 (sign and a 3-bit power-of-two exponent, Streaming DiLoCo's 4-bit format, arXiv 2501.18512,
-Sec. 2.4), packed into bytes. Pure maths on CPU tensors, no networking: what goes on the wire in
-the averaging rounds is built from these (groundwork for compressed rounds; not used by rounds yet).
+Sec. 2.4), packed into bytes. Pure maths on CPU tensors, no networking: reference codes with
+per-member scales. Rounds do not use them: a member-specific scale cannot keep a round's members
+bit-identical through hivemind's all-reduce, so rounds quantize onto grids shared by the round's
+members instead (:mod:`p2p_diloco.wire`, uniform codes only).
 
 Shapes: every function takes or returns a flat view; ``numel`` restores the element count, and the
 caller reshapes. Scales are fp32, one per chunk of ``chunk`` elements (the last chunk may be short).
