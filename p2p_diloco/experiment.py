@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 import statistics
 import time
 from dataclasses import dataclass, field
@@ -58,7 +59,7 @@ def run_arm(arm: Arm, out: Path, *, timeout: float = 1800.0) -> dict:
     :raises RuntimeError: if no island wrote a summary
     """
     folder = out / arm.name
-    swarm = LocalSwarm(folder, run_id=arm.name.replace(".", "_"))
+    swarm = LocalSwarm(folder, run_id=re.sub(r"[^A-Za-z0-9_-]", "_", arm.name))  # "P=4,mix" -> "P_4_mix"
     started = time.time()
     try:
         swarm.start_bootstrap()
