@@ -7,8 +7,6 @@ close to (or beat) data-parallel training with M times the batch, for the same t
 Arms (same model, data and tokens: 4 x STEPS x 2048):
   diloco-4   4 islands, STEPS inner steps each, default outer loop (Nesterov 0.7/0.9, P=2)
   single     1 island, 4 x STEPS steps, the same outer loop on its own pseudo-gradient
-  single-1/4 1 island, STEPS steps: a quarter of the tokens, as many steps as each of the 4 islands
-             (DiLoCo's own comparison: replicas add tokens at the same number of steps)
   dp-4x      1 island, STEPS steps of a 4x batch (64 sequences), outer lr 1 and momentum 0: the outer
              step is the identity, so this is plain training with the data-parallel batch
 
@@ -23,7 +21,6 @@ def build(steps: int):
         Arm("diloco-4", 4, steps),
         # one island runs faster than each of four sharing two cores: a shorter period keeps H closer
         Arm("single", 1, 4 * steps, period=9.0),
-        Arm("single-1/4", 1, steps, period=9.0),
         Arm("dp-4x", 1, steps, ["--inner-batch-size", "64", "--outer-lr", "1.0", "--outer-momentum", "0"]),
     ]
 
