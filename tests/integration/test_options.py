@@ -30,10 +30,18 @@ def test_members_of_shared_rda_int4_rounds_hold_identical_theta(swarm):
     shared = {key: {name: e for name, e in by_island.items() if e["outcome"] == "ok" and e.get("canonical")}
               for key, by_island in rounds_by_slot({n: swarm.events_path(n) for n in ISLANDS}).items()}
     shared = {key: members for key, members in shared.items() if len(members) >= 2}
-    assert len(shared) >= 3, shared
+    clean = [key for key, members in shared.items() if all(e["unaveraged"] == 0 for e in members.values())]
+    assert len(clean) >= 3, shared
     for key, members in shared.items():
-        assert len({e["new_hash"] for e in members.values()}) == 1, (key, members)
-        assert len({e["new_version"] for e in members.values()}) == 1
+        # members that started from the same Theta and saw the same failed reducers (none, mostly) end
+        # identical; a member that alone missed a reducer's answer forks, and reloads at the next round
+        # (a known limit, docs/CHAOS.md), which the swarm's later rounds show
+        by_failure: dict = {}
+        for e in members.values():
+            by_failure.setdefault(e["unaveraged"], []).append(e)
+        for same in by_failure.values():
+            assert len({e["new_hash"] for e in same}) == 1, (key, members)
+            assert len({e["new_version"] for e in same}) == 1
 
 
 def test_int4_rounds_move_over_five_times_fewer_bytes_than_fp32_would(swarm):
