@@ -73,11 +73,11 @@ def summary_table(summaries: dict[str, dict | None]) -> Table:
     """The per-island summary printed at the end."""
     table = Table(title="per-island summary", title_justify="left")
     for column in ("island", "steps", "tokens", "eval loss first -> last", "rounds ok/failed", "group sizes",
-                   "utilization", "MB sent"):
+                   "utilization", "MB sent", "bytes/token", "x fewer than DP"):
         table.add_column(column, justify="left" if column == "island" else "right")
     for name, s in summaries.items():
         if s is None:
-            table.add_row(name, "-", "-", "(no summary: see its log)", "-", "-", "-", "-")
+            table.add_row(name, "-", "-", "(no summary: see its log)", "-", "-", "-", "-", "-", "-")
             continue
         table.add_row(
             name, str(s["inner_steps"]), f"{s['tokens'] / 1e6:.2f}M",
@@ -85,6 +85,8 @@ def summary_table(summaries: dict[str, dict | None]) -> Table:
             f"{s['outer_rounds_ok']}/{s['outer_rounds_failed']}",
             " ".join(f"{k}:{v}" for k, v in s["group_sizes"].items()) or "-",
             f"{s['compute_utilization']:.3f}", f"{s['bytes_sent'] / 1e6:.1f}",
+            f"{s['bytes_per_token']:.1f}" if s.get("bytes_per_token") is not None else "-",
+            f"{s['reduction_vs_dp']:.0f}" if s.get("reduction_vs_dp") is not None else "-",
         )
     return table
 
