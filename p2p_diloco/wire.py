@@ -117,7 +117,7 @@ def shared_exponents(reports: Sequence, shapes: Sequence[torch.Size],
     :param ceilings: per tensor, the largest exponent allowed (:func:`ceiling_exponent`), or None
     :returns: int16 tensors, one per tensor, of shape (ceil(numel / CHUNK),)
     """
-    counts = [-(-int(np.prod(shape, dtype=np.int64)) // CHUNK) for shape in shapes]
+    counts = _chunk_counts(shapes)
     total = sum(counts)
     valid = [np.frombuffer(r, dtype="<i2") for r in reports if isinstance(r, (bytes, bytearray)) and len(r) == 2 * total]
     merged = np.max(np.stack(valid), axis=0) if valid else np.full(total, TOP_EXPONENT, dtype=np.int16)
@@ -193,13 +193,17 @@ def put_on_grid_(tensors: Sequence[torch.Tensor], reports: Sequence, levels: int
 
 def split_grid(flat: torch.Tensor, shapes: Sequence[torch.Size]) -> list[torch.Tensor]:
     """The per-tensor chunk exponents of a grid returned by :func:`put_on_grid_`."""
-    counts = [-(-int(np.prod(shape, dtype=np.int64)) // CHUNK) for shape in shapes]
-    return [part.clone() for part in torch.split(flat, counts)]
+    return [part.clone() for part in torch.split(flat, _chunk_counts(shapes))]
 
 
 def num_chunks(shapes: Sequence[torch.Size]) -> int:
     """Chunks of :data:`CHUNK` elements over all tensors (each tensor's last chunk may be short)."""
-    return sum(-(-int(np.prod(shape, dtype=np.int64)) // CHUNK) for shape in shapes)
+    return sum(_chunk_counts(shapes))
+
+
+def _chunk_counts(shapes: Sequence[torch.Size]) -> list[int]:
+    """Chunks of each tensor (its last chunk may be short)."""
+    return [-(-int(np.prod(shape, dtype=np.int64)) // CHUNK) for shape in shapes]
 
 
 # ------------------------------------------------------------------------------------------------
