@@ -1,0 +1,525 @@
+"""Side-by-side benchmark: our islands against data-parallel, hivemind.Optimizer and torchft DiLoCo
+(scripts/bench/compare.py, docs/BENCHMARKS.md).
+
+Every arm is ``learners`` processes on 127.0.0.1 training the same model on the same shards with the
+same inner AdamW for the same number of inner steps each (the token budget); only how they
+communicate differs (:mod:`p2p_diloco.baselines` for the comparators; our islands are
+``p2p-diloco peer`` processes). A second pass kills one learner (its whole process tree, SIGKILL)
+when it is halfway through its steps and restarts it ``restart_after`` seconds later where the arm
+can rejoin (DDP restarts through ``torchrun --max-restarts`` from its last checkpoint instead).
+
+Figures come from the learners' own event logs (definitions: DESIGN.md, "What we measure"):
+
+- **eval loss**: mean over learners of the final held-out loss;
+- **wall**: first inner step started to last inner step ended, in seconds (start-up excluded);
+- **tokens/s**: tokens of all inner steps done (redone work included) / wall;
+- **utilization**: per learner, compute seconds (inner steps minus the time a step was blocked on
+  communication) / its span from first to last step minus its evaluations; the mean over learners;
+- **bytes/token**: bytes a learner sent / tokens it trained, all learners together;
+- **stall per failure**: over the survivors, the median of the time their inner loops lost, from
+  the kill to their end, beyond their usual gap between steps, minus what the same learners lost in
+  the same stretch of the pass without a failure (so an arm's own end-of-run waits do not count);
+- **global downtime**: time in the failure pass during which no learner was computing (gaps of 1 s
+  or more).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import signal
+import statistics
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Optional, Sequence
+
+from p2p_diloco.events import read_events
+from p2p_diloco.figures import _gaps, global_downtime, merge, typical_gap
+from p2p_diloco.localswarm import Managed, descendants, read_line
+
+ARMS = ("ddp", "hivemind", "torchft", "ours-sync", "ours")
+TOKENS_PER_STEP = 16 * 128  # the tiny preset's batch x sequence length
+
+
+@dataclass
+class Bench:
+    """One benchmark invocation.
+
+    :param out: output folder (``clean/<arm>/``, ``failure/<arm>/``, results, table, plot)
+    :param learners: learners per arm
+    :param steps: inner steps per learner (the token budget: learners x steps x 2048 tokens)
+    :param h: inner steps between two syncs of the same parameters (hivemind's epoch, torchft's
+        ``sync_every``, our outer period through ``ours_period``)
+    :param eval_every_steps: comparators evaluate every this many steps (ours every ``eval_seconds``)
+    :param restart_after: seconds between a kill and the restart, for arms that can rejoin
+    :param ours_period: our outer period T_outer in seconds (0: ``h`` x the step time measured in
+        the ddp arm, or ``h`` x 0.9 s without it)
+    """
+
+    out: Path
+    learners: int = 4
+    steps: int = 200
+    h: int = 50
+    eval_every_steps: int = 50
+    eval_seconds: float = 45.0
+    restart_after: float = 20.0
+    ours_period: float = 0.0
+    timeout: float = 1800.0
+    step_seconds: Optional[float] = None  # measured in the ddp arm
+    env: dict = field(default_factory=dict)
+    eval_batches: int = 16  # held-out batches per evaluation (every arm)
+    shards: int = 1  # 1: every learner samples the whole training split (i.i.d.); N: learner r gets shard r mod N
+    outer_lr: float = 1.0  # outer SGD of torchft and our islands (hivemind averages: lr 1, no momentum)
+    outer_momentum: float = 0.0
+    rate: str = ""  # tc rate of every learner's link (e.g. "50mbit"): each learner in its own namespace
+
+    def __post_init__(self):
+        self.out = Path(self.out).resolve()  # processes run in their arm's folder
+
+    def period(self) -> float:
+        if self.ours_period:
+            return self.ours_period
+        return round(self.h * (self.step_seconds or 0.9), 1)
+
+
+# ------------------------------------------------------------------ processes
+
+
+class Arm:
+    """The processes of one arm run; ``close()`` ends every one of them (by PID)."""
+
+    def __init__(self, name: str, bench: Bench, folder: Path):
+        self.name, self.bench, self.folder = name, bench, folder
+        folder.mkdir(parents=True, exist_ok=True)
+        self.env = os.environ.copy() | {
+            "PYTHONUNBUFFERED": "1", "P2P_DILOCO_EXIT_WITH_PARENT": "1", "OMP_NUM_THREADS": "1",
+            "GLOO_SOCKET_IFNAME": "lo", "MASTER_ADDR": "127.0.0.1", "TORCHFT_LIGHTHOUSE": "",
+        } | bench.env
+        self.procs: dict[str, Managed] = {}
+        self.service: list[Managed] = []  # bootstrap node / lighthouse
+        self.peers: list[str] = []
+        self.faults: list[dict] = []
+        self.lives: dict[str, int] = {}
+        self.lab = None  # p2p_diloco.netns.Lab when bench.rate is set
+
+    def host(self, rank: Optional[int] = None) -> str:
+        """The address a learner (or, with None, the bootstrap node) listens on."""
+        if self.lab is None:
+            return "127.0.0.1"
+        return self.lab.host if rank is None else self.lab.address(rank)
+
+    def prefix(self, rank: int) -> list[str]:
+        return self.lab.prefix(rank) if self.lab is not None else []
+
+    def events_path(self, learner: str) -> Path:
+        return self.folder / f"{learner}.events.jsonl"
+
+    def summary_path(self, learner: str) -> Path:
+        return self.folder / f"{learner}.summary.json"
+
+    def spawn(self, name: str, argv: Sequence[str], *, stdout=None) -> Managed:
+        log_path = self.folder / f"{name}.log"
+        with open(log_path, "ab") as log:
+            popen = subprocess.Popen(list(argv), stdout=stdout or log, stderr=log, env=self.env,
+                                     start_new_session=True, cwd=self.folder)
+        return Managed(name, popen, log_path)
+
+    def start_service(self, argv: Sequence[str], prefix: str) -> str:
+        """Start a bootstrap node or lighthouse that prints ``PREFIX=value`` first; returns value."""
+        managed = self.spawn(argv[3] if len(argv) > 3 else "service", argv, stdout=subprocess.PIPE)
+        self.service.append(managed)
+        line = read_line(managed.popen, 60.0)
+        if not line.startswith(prefix + "="):
+            raise RuntimeError(f"{self.name}: {argv[3]} did not start ({line!r}); see {managed.log_path}")
+        return line.split("=", 1)[1].strip()
+
+    def close(self) -> None:
+        for managed in [*self.procs.values(), *self.service]:
+            managed.remember_tree()
+            if managed.alive():
+                managed.popen.send_signal(signal.SIGTERM)
+        for managed in [*self.procs.values(), *self.service]:
+            managed.stop(30.0, signal_first=False)
+        if self.lab is not None:
+            self.lab.close()
+
+    def kill(self, learner: str) -> None:
+        """SIGKILL a learner's whole process tree (DDP: the torchrun worker, found by its pid)."""
+        if self.name == "ddp":
+            starts = [e for e in read_events(str(self.events_path(learner))) if e.get("event") == "start"]
+            pids = [starts[-1]["pid"]] if starts else []
+        else:
+            managed = self.procs[learner]
+            pids = [managed.pid]
+        for pid in list(pids):
+            pids += descendants(pid)
+        for pid in pids:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except OSError:
+                pass
+        if self.name != "ddp":
+            try:
+                self.procs[learner].popen.wait(10)
+            except subprocess.TimeoutExpired:
+                pass
+        self.faults.append({"t": time.time(), "kind": "kill", "island": learner})
+
+
+def _python() -> list[str]:
+    return [sys.executable, "-m"]
+
+
+def start_arm(arm: Arm, *, restart: Optional[str] = None, steps: Optional[int] = None) -> None:
+    """Start every learner of the arm (or restart ``restart`` with ``steps`` steps left)."""
+    bench = arm.bench
+    names = [f"island-{rank}" for rank in range(bench.learners)] if restart is None else [restart]
+    if arm.name == "ddp":
+        worker = ["-m", "p2p_diloco.baselines", "ddp", *_common(arm, bench.steps),
+                  "--events", str(arm.folder / "island-{rank}.events.jsonl"),
+                  "--summary", str(arm.folder / "island-{rank}.summary.json"),
+                  "--checkpoint", str(arm.folder / "checkpoint.pt")]
+        if arm.lab is None:  # one torchrun for all workers; it restarts them all when one dies
+            argv = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nnodes", "1",
+                    "--nproc-per-node", str(bench.learners), "--max-restarts", "1", "--monitor-interval", "0.5",
+                    *worker]
+            arm.procs["torchrun"] = arm.spawn("torchrun", argv)
+            return
+        for rank in range(bench.learners):  # one node per namespace, static rendezvous at node 0
+            argv = [*arm.prefix(rank), "env", "GLOO_SOCKET_IFNAME=eth0", sys.executable, "-m",
+                    "torch.distributed.run", "--nnodes", str(bench.learners), "--nproc-per-node", "1",
+                    "--node-rank", str(rank), "--master-addr", arm.host(0), "--master-port", "29500", *worker]
+            arm.procs[f"island-{rank}"] = arm.spawn(f"torchrun-{rank}", argv)
+        return
+    if arm.name in ("hivemind", "ours-sync", "ours") and not arm.service:
+        arm.peers = arm.start_service(
+            [*_python(), "p2p_diloco", "bootstrap", "--host-maddrs", f"/ip4/{arm.host()}/tcp/0",
+             "--identity-path", str(arm.folder / "bootstrap.key"), "--run-id", arm.name.replace("-", "_")],
+            "INITIAL_PEERS").split()
+    if arm.name == "torchft" and not arm.service:
+        arm.peers = [arm.start_service([*_python(), "p2p_diloco.baselines", "lighthouse"], "LIGHTHOUSE")]
+    for name in names:
+        rank = int(name.rsplit("-", 1)[1])
+        left = steps if steps is not None else bench.steps
+        if arm.name in ("hivemind", "torchft"):
+            argv = [*_python(), "p2p_diloco.baselines", arm.name, "--rank", str(rank), *_common(arm, left),
+                    "--events", str(arm.events_path(name)), "--summary", str(arm.summary_path(name))]
+            argv += (["--initial-peers", *arm.peers, "--run-id", "bench"] if arm.name == "hivemind"
+                     else ["--lighthouse", arm.peers[0]])
+        else:
+            argv = [*arm.prefix(rank), *_python(), "p2p_diloco", "peer", "--run-id", arm.name.replace("-", "_"),
+                    "--island", name, "--host-maddrs", f"/ip4/{arm.host(rank)}/tcp/0", "--initial-peers", *arm.peers,
+                    "--summary-json", str(arm.summary_path(name)), "--log-jsonl", str(arm.events_path(name)),
+                    "--data-num-shards", str(bench.shards), "--data-shard-index", str(rank % bench.shards),
+                    "--max-steps", str(left), *ours_args(arm.name, bench)]
+        arm.lives[name] = arm.lives.get(name, 0) + 1
+        arm.procs[name] = arm.spawn(f"{name}.{arm.lives[name]}", argv)
+
+
+def _common(arm: Arm, steps: int) -> list[str]:
+    bench = arm.bench
+    return ["--world", str(bench.learners), "--shards", str(bench.shards), "--steps", str(steps), "--h", str(bench.h),
+            "--eval-every-steps", str(bench.eval_every_steps), "--eval-batches", str(bench.eval_batches),
+            "--warmup-steps", "20", "--outer-lr", str(bench.outer_lr), "--outer-momentum", str(bench.outer_momentum)]
+
+
+def ours_args(name: str, bench: Bench) -> list[str]:
+    """Our islands' flags: the comparators' inner settings (tiny preset, warm-up 20, 16 eval batches,
+    one torch thread) and outer step (plain averaging: lr 1, no momentum), and the period that gives
+    H inner steps per outer period.
+
+    - ``ours``: our defaults for everything else (2 fragments on staggered slots, quorum 2, grace
+      window 1.5 s), rounds in the background, and int4 outer gradients with error feedback;
+    - ``ours-sync``: one fragment, quorum = every learner (a longer grace window so rounds wait for
+      all), fp32 on the wire: synchronous DiLoCo on our stack (rounds still run in the background).
+    """
+    period = bench.period()
+    common = ["--preset", "tiny", "--device", "cpu", "--threads", "1", "--inner-warmup-steps", "20",
+              "--eval-batches", str(bench.eval_batches), "--eval-every", str(bench.eval_seconds),
+              "--outer-lr", str(bench.outer_lr), "--outer-momentum", str(bench.outer_momentum),
+              "--outer-period", str(period), "--progress-period", "2", "--progress-ttl", "10", "--join-timeout", "60"]
+    fast = period < 2 * 12.0  # rounds every few seconds (smoke tests): the experiments' round timings
+    if fast:
+        common += ["--outer-matchmaking-time", "1.5", "--outer-allreduce-timeout", "2",
+                   "--outer-request-timeout", "0.5"]
+    if name == "ours-sync":
+        return [*common, "--outer-fragments", "1", "--outer-quorum", str(bench.learners),
+                "--outer-grace-window", "1" if fast else "3", "--outer-codec", "none"]
+    return [*common, "--outer-codec", "int4", *(["--outer-grace-window", "0.5"] if fast else [])]
+
+
+def _steps_done(arm: Arm, learner: str) -> int:
+    """Inner steps of the learner's current life (from its event log)."""
+    path = arm.events_path(learner)
+    if not path.exists():
+        return 0
+    events = read_events(str(path))
+    starts = [i for i, e in enumerate(events) if e.get("event") in ("start", "resume")]
+    begin = starts[-1] if starts and arm.name != "ddp" else 0
+    steps = [e for e in events[begin:] if e.get("event") == "step"]
+    return max((e.get("step", 0) for e in steps), default=0)
+
+
+def run_pass(name: str, bench: Bench, *, failure: bool, victim: str = "island-1") -> dict:
+    """Run one arm to its token budget; with ``failure``, SIGKILL ``victim`` halfway through its
+    steps and restart it ``restart_after`` s later with the steps it has left (DDP: torchrun
+    restarts every worker from the checkpoint). Returns the arm's figures (:func:`arm_figures`)."""
+    folder = bench.out / ("failure" if failure else "clean") / name
+    arm = Arm(name, bench, folder)
+    started = time.time()
+    mid: Optional[float] = None
+    try:
+        if bench.rate:
+            from p2p_diloco.netns import Lab
+
+            arm.lab = Lab(bench.learners)
+            for rank in range(bench.learners):
+                arm.lab.throttle(rank, bench.rate)
+        start_arm(arm)
+        deadline = time.monotonic() + bench.timeout
+        restart_at, left = None, 0
+        while time.monotonic() < deadline:
+            running = [m for m in arm.procs.values() if m.alive()]
+            if not running and restart_at is None:
+                break
+            if mid is None and _steps_done(arm, victim) >= bench.steps // 2:
+                mid = time.time()
+                if failure:
+                    left = bench.steps - _steps_done(arm, victim)
+                    arm.kill(victim)
+                    if name != "ddp":
+                        restart_at = time.monotonic() + bench.restart_after
+            if restart_at is not None and time.monotonic() >= restart_at:
+                start_arm(arm, restart=victim, steps=left)
+                arm.faults.append({"t": time.time(), "kind": "restart", "island": victim})
+                restart_at = None
+            time.sleep(0.2)
+        else:
+            print(f"[{name}] timed out after {bench.timeout:.0f} s: stopping it", flush=True)
+    finally:
+        arm.close()
+    events = {f"island-{r}": read_events(str(arm.events_path(f"island-{r}")))
+              for r in range(bench.learners) if arm.events_path(f"island-{r}").exists()}
+    summaries = {n: json.loads(arm.summary_path(n).read_text()) for n in events if arm.summary_path(n).exists()}
+    figures = arm_figures(name, events, summaries, mid=mid, faults=arm.faults, victim=victim)
+    figures["seconds"] = round(time.time() - started, 1)
+    (folder / "figures.json").write_text(json.dumps(figures, indent=2) + "\n")
+    return figures
+
+
+# ------------------------------------------------------------------ figures
+
+
+def compute_intervals(events: Sequence[dict]) -> list[tuple[float, float]]:
+    """A learner's compute intervals: each inner step minus the seconds it was blocked on
+    communication (``comm``, comparators only; our islands' steps never block)."""
+    return [(e["t"] - max(0.0, e["dt"] - e.get("comm", 0.0)), e["t"]) for e in events if e.get("event") == "step"]
+
+
+def eval_spans(events: Sequence[dict]) -> list[tuple[float, float]]:
+    return [(e["t"] - e.get("dt", 0.0), e["t"]) for e in events if e.get("event") == "eval"]
+
+
+def lost_after(events: Sequence[dict], at: float) -> Optional[float]:
+    """Seconds a learner's inner loop lost from ``at`` to its end: gaps between compute intervals
+    (evaluations excluded) beyond its usual gap before ``at``."""
+    steps = compute_intervals(events)
+    evals = eval_spans(events)
+    before = [s for s in steps if s[1] <= at]
+    after = [s for s in steps if s[1] > at]
+    if len(before) < 5 or not after:
+        return None
+    usual = typical_gap(before, evals)
+    window = [before[-1], *after]
+    return sum(max(0.0, gap - usual) for gap in _gaps(window, evals))
+
+
+def learner_utilization(events: Sequence[dict]) -> Optional[float]:
+    """Compute seconds / (first step start to last step end, minus evaluations)."""
+    steps = compute_intervals(events)
+    if not steps:
+        return None
+    raw = [e for e in events if e.get("event") == "step"]
+    span = (raw[0]["t"] - raw[0]["dt"], raw[-1]["t"])
+    evals = sum(b - a for a, b in merge(eval_spans(events)) if a >= span[0] and b <= span[1])
+    busy = sum(b - a for a, b in steps)
+    return busy / max(1e-9, span[1] - span[0] - evals)
+
+
+def final_eval(events: Sequence[dict]) -> Optional[float]:
+    evals = [e for e in events if e.get("event") == "eval"]
+    return evals[-1]["eval_loss"] if evals else None
+
+
+def arm_figures(name: str, events: dict[str, list[dict]], summaries: dict[str, dict], *, mid: Optional[float],
+                faults: Sequence[dict] = (), victim: str = "island-1") -> dict:
+    """An arm's figures from its learners' events and summaries (see the module docstring).
+    ``lost_after_mid`` (per survivor) is what :func:`stall_per_failure` compares between passes."""
+    steps = {n: [e for e in evs if e.get("event") == "step"] for n, evs in events.items()}
+    starts = [s[0]["t"] - s[0]["dt"] for s in steps.values() if s]
+    ends = [s[-1]["t"] for s in steps.values() if s]
+    wall = max(ends) - min(starts) if starts else None
+    tokens = sum(len(s) for s in steps.values()) * TOKENS_PER_STEP
+    evals = [v for v in (final_eval(evs) for evs in events.values()) if v is not None]
+    utils = [u for u in (learner_utilization(evs) for evs in events.values()) if u is not None]
+    sent = sum(s.get("bytes_sent", 0) for s in summaries.values())
+    trained = sum(s.get("tokens", 0) for s in summaries.values())
+    compute = {n: compute_intervals(evs) for n, evs in events.items()}
+    downtime, _ = (global_downtime(compute, {"arm": [(min(starts), max(ends))]}, min(starts), max(ends))
+                   if starts else (None, []))
+    lost = {n: lost_after(evs, mid) for n, evs in events.items() if n != victim} if mid else {}
+    h = [s.get("inner_steps_per_outer_period") for s in summaries.values() if s.get("inner_steps_per_outer_period")]
+    curve = _curve(events, min(starts) if starts else 0.0)
+    return {
+        "arm": name,
+        "learners": len(events),
+        "eval_loss": round(statistics.fmean(evals), 4) if evals else None,
+        "eval_loss_spread": round(max(evals) - min(evals), 4) if evals else None,
+        "tokens": tokens,
+        "wall_seconds": round(wall, 1) if wall else None,
+        "tokens_per_second": round(tokens / wall, 1) if wall else None,
+        "utilization": round(statistics.fmean(utils), 4) if utils else None,
+        "bytes_per_token": round(sent / trained, 2) if trained else None,
+        "h": round(statistics.fmean(h), 1) if h else None,
+        "global_downtime_seconds": round(downtime, 2) if downtime is not None else None,
+        "mid": mid,
+        "lost_after_mid": {n: (round(v, 3) if v is not None else None) for n, v in lost.items()},
+        "faults": list(faults),
+        "curve": curve,
+    }
+
+
+def _curve(events: dict[str, list[dict]], t0: float) -> list[tuple[float, float, float]]:
+    """(swarm tokens, seconds since the arm's first step, mean eval loss) at each evaluation index."""
+    lists = [[e for e in evs if e.get("event") == "eval"] for evs in events.values()]
+    lists = [evals for evals in lists if evals]
+    points = []
+    for index in range(min((len(evals) for evals in lists), default=0)):
+        row = [evals[index] for evals in lists]
+        tokens = statistics.fmean(e["tokens"] for e in row) * len(events)
+        seconds = round(max(e["t"] for e in row) - t0, 2)
+        points.append((tokens, seconds, round(statistics.fmean(e["eval_loss"] for e in row), 4)))
+    return points
+
+
+def stall_per_failure(clean: dict, failed: dict) -> Optional[float]:
+    """Median over survivors of the time lost after the kill minus the time the same learner lost
+    after the same point of the clean pass (seconds, at least 0)."""
+    extra = []
+    for name, lost in failed.get("lost_after_mid", {}).items():
+        base = clean.get("lost_after_mid", {}).get(name)
+        if lost is not None and base is not None:
+            extra.append(max(0.0, lost - base))
+    return round(statistics.median(extra), 3) if extra else None
+
+
+# ------------------------------------------------------------------ table and plot
+
+COLUMNS = [
+    ("arm", "arm"), ("eval_loss", "eval loss"), ("eval_vs_ddp", "vs ddp"), ("wall_seconds", "wall s"),
+    ("tokens_per_second", "tokens/s"), ("utilization", "utilization"), ("bytes_per_token", "bytes/token"),
+    ("fewer_bytes_than_ddp", "x fewer bytes than ddp"), ("stall_per_failure", "stall/failure s"),
+    ("global_downtime_seconds_failure", "downtime s"), ("eval_loss_failure", "eval loss (failure)"),
+    ("ratios", "ratio to ddp (loss, wall, tokens/s)"),
+]
+
+
+def combine(rows: Sequence[dict], failure_rows: Sequence[dict]) -> list[dict]:
+    """One table row per arm: the clean pass's figures, the failure pass's, and ratios to ddp."""
+    failure = {r["arm"]: r for r in failure_rows}
+    ddp = next((r for r in rows if r["arm"] == "ddp"), None)
+    table = []
+    for row in rows:
+        out = dict(row)
+        if row["arm"] in failure:
+            f = failure[row["arm"]]
+            out["stall_per_failure"] = stall_per_failure(row, f)
+            out["global_downtime_seconds_failure"] = f["global_downtime_seconds"]
+            out["eval_loss_failure"] = f["eval_loss"]
+        if ddp and ddp.get("eval_loss") and row.get("eval_loss"):
+            out["eval_vs_ddp"] = f"{100 * (row['eval_loss'] / ddp['eval_loss'] - 1):+.1f}%"
+            ratios = [row["eval_loss"] / ddp["eval_loss"]]
+            for key in ("wall_seconds", "tokens_per_second"):
+                ratios.append(row[key] / ddp[key] if row.get(key) and ddp.get(key) else math.nan)
+            out["ratios"] = ", ".join(f"{r:.3f}" for r in ratios)
+        if ddp and ddp.get("bytes_per_token") and row.get("bytes_per_token"):
+            out["fewer_bytes_than_ddp"] = round(ddp["bytes_per_token"] / row["bytes_per_token"], 1)
+        table.append(out)
+    return table
+
+
+def markdown(rows: Sequence[dict], columns=COLUMNS) -> str:
+    """A Markdown table ("-" where a figure is missing)."""
+    from p2p_diloco.experiment import table
+
+    return table(rows, columns)
+
+
+def plot(rows: Sequence[dict], out_path: Path, title: str) -> Path:
+    """Eval loss vs swarm tokens and vs wall time, one line per arm (PNG)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    from p2p_diloco.plots import _save
+
+    fig, (left, right) = plt.subplots(1, 2, figsize=(12, 4.8), dpi=120)
+    for row in rows:
+        if not row.get("curve"):
+            continue
+        tokens, seconds, loss = zip(*row["curve"])
+        label = f"{row['arm']} ({row['eval_loss']})"
+        left.plot([t / 1e6 for t in tokens], loss, marker="o", lw=1.5, label=label)
+        right.plot(seconds, loss, marker="o", lw=1.5, label=label)
+    left.set_xlabel("tokens trained by all learners (millions)")
+    right.set_xlabel("seconds since the arm's first inner step")
+    for ax in (left, right):
+        ax.set_ylabel("eval loss, held-out split (nats/token)")
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8)
+    fig.suptitle(title)
+    return _save(fig, out_path)
+
+
+def run_bench(bench: Bench, arms: Sequence[str], *, failure: bool = True) -> list[dict]:
+    """Run the clean pass of every arm, then (with ``failure``) the failure pass, then write
+    ``results.json``, ``table.md`` and ``compare.png`` under ``bench.out``; returns the table rows."""
+    bench.out.mkdir(parents=True, exist_ok=True)
+    clean, failed = [], []
+    for name in arms:
+        print(f"[compare] {name}: {bench.learners} learners x {bench.steps} steps"
+              + (f" (outer period {bench.period()} s)" if name.startswith("ours") else ""), flush=True)
+        clean.append(run_pass(name, bench, failure=False))
+        if name == "ddp" and not bench.ours_period:
+            bench.step_seconds = median_step_seconds(bench.out / "clean" / "ddp", bench.learners)
+        print(f"[compare]   eval loss {clean[-1]['eval_loss']}, wall {clean[-1]['wall_seconds']} s, "
+              f"utilization {clean[-1]['utilization']}, bytes/token {clean[-1]['bytes_per_token']}", flush=True)
+    if failure:
+        for name in arms:
+            print(f"[compare] {name}, failure pass: learner island-1 SIGKILLed halfway", flush=True)
+            failed.append(run_pass(name, bench, failure=True))
+            print(f"[compare]   eval loss {failed[-1]['eval_loss']}, downtime "
+                  f"{failed[-1]['global_downtime_seconds']} s", flush=True)
+    rows = combine(clean, failed)
+    (bench.out / "results.json").write_text(json.dumps({"clean": clean, "failure": failed, "table": rows,
+                                                        "period": bench.period()}, indent=2) + "\n")
+    text = markdown(rows)
+    (bench.out / "table.md").write_text(text + "\n")
+    plot(clean, bench.out / "compare.png", f"{bench.learners} learners x {bench.steps} steps, tiny preset, same data")
+    print(f"\n{text}\n\nplot: {bench.out / 'compare.png'}", flush=True)
+    return rows
+
+
+def median_step_seconds(folder: Path, learners: int) -> Optional[float]:
+    """Median compute seconds of one inner step over the learners of an arm (to set our period)."""
+    durations = []
+    for rank in range(learners):
+        path = folder / f"island-{rank}.events.jsonl"
+        if path.exists():
+            durations += [b - a for a, b in compute_intervals(read_events(str(path)))]
+    return statistics.median(durations) if durations else None

@@ -1,0 +1,65 @@
+"""Smoke tests of the side-by-side benchmarks (scripts/bench/compare.py and wan.py) with a tiny
+budget: each writes a complete table, every arm present with finite figures. No speed is asserted."""
+
+from __future__ import annotations
+
+import json
+import math
+import subprocess
+import sys
+
+import pytest
+
+from p2p_diloco import netns
+from tests.conftest import ROOT
+
+pytestmark = pytest.mark.integration
+
+TINY = ["--learners", "2", "--steps", "12", "--h", "4", "--eval-every-steps", "6", "--eval-batches", "2",
+        "--eval-seconds", "5", "--ours-period", "12"]
+
+
+def _finite(row: dict, keys) -> None:
+    for key in keys:
+        value = row.get(key)
+        assert isinstance(value, (int, float)) and math.isfinite(value), (row["arm"], key, value)
+
+
+def _run(script: str, out, *args: str, timeout: float) -> subprocess.CompletedProcess:
+    result = subprocess.run([sys.executable, str(ROOT / "scripts" / "bench" / script), *TINY, *args, "--out", str(out)],
+                            capture_output=True, text=True, timeout=timeout, cwd=ROOT)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    return result
+
+
+@pytest.mark.timeout(600)
+def test_compare_writes_every_arm_with_finite_figures(tmp_path):
+    result = _run("compare.py", tmp_path, "--restart-after", "2", timeout=580)
+    rows = json.loads((tmp_path / "results.json").read_text())["table"]
+    assert [row["arm"] for row in rows] == ["ddp", "hivemind", "torchft", "ours-sync", "ours"]
+    for row in rows:
+        _finite(row, ["eval_loss", "wall_seconds", "tokens_per_second", "utilization", "bytes_per_token",
+                      "fewer_bytes_than_ddp", "stall_per_failure", "global_downtime_seconds_failure",
+                      "eval_loss_failure"])
+        assert row["tokens"] >= 2 * 12 * 2048  # the whole budget (DDP redoes steps after a restart)
+        assert 0 < row["utilization"] <= 1.0 and row["bytes_per_token"] > 0
+        assert len(row["curve"]) >= 2
+    table = (tmp_path / "table.md").read_text()
+    assert all(f"| {arm} |" in table for arm in ["ddp", "hivemind", "torchft", "ours-sync", "ours"])
+    assert (tmp_path / "compare.png").stat().st_size > 10_000 and "plot:" in result.stdout
+    # the failure pass really killed a learner and (where the arm can) restarted it
+    failure = {r["arm"]: r for r in json.loads((tmp_path / "results.json").read_text())["failure"]}
+    for arm, row in failure.items():
+        kinds = [f["kind"] for f in row["faults"]]
+        assert kinds == (["kill"] if arm == "ddp" else ["kill", "restart"]), (arm, kinds)
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.skipif(netns.check_available() is not None, reason=f"network namespaces: {netns.check_available()}")
+def test_wan_runs_ddp_and_ours_over_throttled_links(tmp_path):
+    _run("wan.py", tmp_path, "--rate", "50mbit", timeout=280)
+    rows = json.loads((tmp_path / "results.json").read_text())["table"]
+    assert [row["arm"] for row in rows] == ["ddp", "ours"]
+    for row in rows:
+        _finite(row, ["eval_loss", "wall_seconds", "tokens_per_second", "utilization", "bytes_per_token"])
+    assert "| ours |" in (tmp_path / "table.md").read_text()
