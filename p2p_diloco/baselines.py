@@ -133,7 +133,16 @@ def train(learner: Learner, args: argparse.Namespace, stop: threading.Event, *, 
 
 def write_summary(args: argparse.Namespace, learner: Learner, meter: Meter, params: int, reason: str,
                   started: float, **extra) -> None:
-    """The learner's end-of-run summary (JSON, written atomically)."""
+    """The learner's end-of-run summary (JSON, written atomically) and, with ``--final-params``, its
+    final parameters (safetensors, keyed by parameter name, tied weights once)."""
+    if args.final_params:
+        from safetensors.torch import save_file
+
+        module = getattr(learner.model, "module", learner.model)  # DDP wraps the model
+        final = Path(args.final_params.format(rank=args.rank))
+        tmp = final.with_suffix(".tmp")
+        save_file({name: p.detach().contiguous() for name, p in module.named_parameters()}, str(tmp))
+        os.replace(tmp, final)
     stats = learner.stats
     summary = {
         "arm": args.arm, "rank": args.rank, "parameters": params, "inner_steps": stats.inner_steps,
@@ -161,7 +170,14 @@ def run_ddp(args: argparse.Namespace, stop) -> None:
     import torch.distributed as dist
     from torch.nn.parallel import DistributedDataParallel
 
-    dist.init_process_group("gloo", timeout=timedelta(seconds=args.timeout))
+    # the group's store keys carry torchrun's restart count: after a restart, the new workers must not
+    # read the addresses the dead workers published (gloo then dials a closed port and the restart fails)
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    hosts = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True" and rank == 0  # else torchrun's agent does
+    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world, is_master=hosts,
+                          timeout=timedelta(seconds=args.timeout))
+    store = dist.PrefixStore(f"p2p_diloco_bench/attempt_{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}/", store)
+    dist.init_process_group("gloo", store=store, rank=rank, world_size=world, timeout=timedelta(seconds=args.timeout))
     world = dist.get_world_size()
     args.rank = dist.get_rank()
     meter = Meter()
@@ -197,6 +213,8 @@ def run_ddp(args: argparse.Namespace, stop) -> None:
         start_step = state["step"]
         learner.stats.tokens = state["tokens"]
         meter.bytes_sent = state["bytes_sent"]
+        for _ in range(start_step):  # the batches the group trained before its checkpoint
+            learner.next_batch()
         events({"event": "resume", "step": start_step})
 
     def save(step: int) -> None:
@@ -411,6 +429,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--eval-batches", type=int, default=16)
     parser.add_argument("--events", default="", help="the learner's event log (JSONL); {rank} is replaced")
     parser.add_argument("--summary", default="", help="the learner's end-of-run summary (JSON); {rank} is replaced")
+    parser.add_argument("--final-params", default="", help="save the final parameters here; {rank} is replaced")
     parser.add_argument("--timeout", type=float, default=30.0, help="seconds a collective may take")
     parser.add_argument("--checkpoint", default="", help="ddp: checkpoint file for restarts")
     parser.add_argument("--checkpoint-every", type=int, default=25, help="ddp: steps between checkpoints")

@@ -10,7 +10,10 @@ can rejoin (DDP restarts through ``torchrun --max-restarts`` from its last check
 
 Figures come from the learners' own event logs (definitions: DESIGN.md, "What we measure"):
 
-- **eval loss**: mean over learners of the final held-out loss;
+- **eval loss**: mean over learners of the final held-out loss of each learner's own parameters;
+- **eval loss (mean model)**: the held-out loss of the mean of the learners' final parameters, what
+  the swarm delivers after one last average (DiLoCo evaluates its outer, averaged model; for DDP
+  every learner holds the same parameters, so both figures are the same);
 - **wall**: first inner step started to last inner step ended, in seconds (start-up excluded);
 - **tokens/s**: tokens of all inner steps done (redone work included) / wall;
 - **utilization**: per learner, compute seconds (inner steps minus the time a step was blocked on
@@ -19,8 +22,8 @@ Figures come from the learners' own event logs (definitions: DESIGN.md, "What we
 - **stall per failure**: over the survivors, the median of the time their inner loops lost, from
   the kill to their end, beyond their usual gap between steps, minus what the same learners lost in
   the same stretch of the pass without a failure (so an arm's own end-of-run waits do not count);
-- **global downtime**: time in the failure pass during which no learner was computing (gaps of 1 s
-  or more).
+- **global downtime**: time in the failure pass during which no learner was computing or evaluating
+  (gaps of 1 s or more).
 """
 
 from __future__ import annotations
@@ -56,8 +59,8 @@ class Bench:
         ``sync_every``, our outer period through ``ours_period``)
     :param eval_every_steps: comparators evaluate every this many steps (ours every ``eval_seconds``)
     :param restart_after: seconds between a kill and the restart, for arms that can rejoin
-    :param ours_period: our outer period T_outer in seconds (0: ``h`` x the step time measured in
-        the ddp arm, or ``h`` x 0.9 s without it)
+    :param ours_period: our outer period T_outer in seconds (0: ``h`` x the ddp arm's median step
+        cadence, or ``h`` x 0.5 s without it)
     """
 
     out: Path
@@ -83,7 +86,7 @@ class Bench:
     def period(self) -> float:
         if self.ours_period:
             return self.ours_period
-        return round(self.h * (self.step_seconds or 0.9), 1)
+        return round(self.h * (self.step_seconds or 0.5), 1)
 
 
 # ------------------------------------------------------------------ processes
@@ -182,6 +185,7 @@ def start_arm(arm: Arm, *, restart: Optional[str] = None, steps: Optional[int] =
         worker = ["-m", "p2p_diloco.baselines", "ddp", *_common(arm, bench.steps),
                   "--events", str(arm.folder / "island-{rank}.events.jsonl"),
                   "--summary", str(arm.folder / "island-{rank}.summary.json"),
+                  "--final-params", str(arm.folder / "island-{rank}.final.safetensors"),
                   "--checkpoint", str(arm.folder / "checkpoint.pt")]
         if arm.lab is None:  # one torchrun for all workers; it restarts them all when one dies
             argv = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nnodes", "1",
@@ -207,7 +211,8 @@ def start_arm(arm: Arm, *, restart: Optional[str] = None, steps: Optional[int] =
         left = steps if steps is not None else bench.steps
         if arm.name in ("hivemind", "torchft"):
             argv = [*_python(), "p2p_diloco.baselines", arm.name, "--rank", str(rank), *_common(arm, left),
-                    "--events", str(arm.events_path(name)), "--summary", str(arm.summary_path(name))]
+                    "--events", str(arm.events_path(name)), "--summary", str(arm.summary_path(name)),
+                    "--final-params", str(arm.folder / f"{name}.final.safetensors")]
             argv += (["--initial-peers", *arm.peers, "--run-id", "bench"] if arm.name == "hivemind"
                      else ["--lighthouse", arm.peers[0]])
         else:
@@ -215,7 +220,8 @@ def start_arm(arm: Arm, *, restart: Optional[str] = None, steps: Optional[int] =
                     "--island", name, "--host-maddrs", f"/ip4/{arm.host(rank)}/tcp/0", "--initial-peers", *arm.peers,
                     "--summary-json", str(arm.summary_path(name)), "--log-jsonl", str(arm.events_path(name)),
                     "--data-num-shards", str(bench.shards), "--data-shard-index", str(rank % bench.shards),
-                    "--max-steps", str(left), *ours_args(arm.name, bench)]
+                    "--max-steps", str(left), "--checkpoint-dir", str(arm.folder / "checkpoints" / name),
+                    *ours_args(arm.name, bench)]
         arm.lives[name] = arm.lives.get(name, 0) + 1
         arm.procs[name] = arm.spawn(f"{name}.{arm.lives[name]}", argv)
 
@@ -306,12 +312,58 @@ def run_pass(name: str, bench: Bench, *, failure: bool, victim: str = "island-1"
               for r in range(bench.learners) if arm.events_path(f"island-{r}").exists()}
     summaries = {n: json.loads(arm.summary_path(n).read_text()) for n in events if arm.summary_path(n).exists()}
     figures = arm_figures(name, events, summaries, mid=mid, faults=arm.faults, victim=victim)
+    figures["eval_loss_mean_model"] = mean_model_eval(folder, bench)
     figures["seconds"] = round(time.time() - started, 1)
     (folder / "figures.json").write_text(json.dumps(figures, indent=2) + "\n")
     return figures
 
 
 # ------------------------------------------------------------------ figures
+
+
+def final_params(folder: Path, learner: str) -> Optional[dict]:
+    """A learner's final parameters: a comparator's ``<learner>.final.safetensors``, or the newest
+    checkpoint our island wrote at exit (``checkpoints/<learner>/``); None if there is neither."""
+    from safetensors.torch import load_file
+
+    from p2p_diloco.checkpoint import CheckpointError, list_checkpoints, load_checkpoint
+
+    path = folder / f"{learner}.final.safetensors"
+    if path.exists():
+        return load_file(str(path))
+    for candidate in reversed(list_checkpoints(folder / "checkpoints" / learner)):
+        try:
+            return load_checkpoint(candidate).params
+        except CheckpointError:
+            continue
+    return None
+
+
+def mean_model_eval(folder: Path, bench: Bench) -> Optional[float]:
+    """Held-out loss (nats/token) of the element-wise mean of the learners' final parameters, on
+    the learners' own eval batches; None if no learner left its parameters."""
+    import torch
+    import torch.nn.functional as F
+
+    from p2p_diloco import data as data_lib
+    from p2p_diloco.config import ModelConfig
+    from p2p_diloco.model import build_model, resolve_spec
+
+    found = [p for p in (final_params(folder, f"island-{r}") for r in range(bench.learners)) if p]
+    if not found:
+        return None
+    spec = resolve_spec(ModelConfig(preset="tiny"))
+    corpus = data_lib.load_corpus("", "", spec.vocab_size, 0.05)
+    model = build_model(spec, corpus.vocab_size, ModelConfig().seed)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            param.copy_(torch.stack([p[name].double() for p in found]).mean(0).to(param.dtype))
+        model.eval()
+        losses = []
+        for batch in data_lib.eval_batches(corpus.eval, bench.eval_batches, spec.batch_size, spec.seq_len):
+            logits = model(input_ids=batch[:, :-1]).logits
+            losses.append(float(F.cross_entropy(logits.reshape(-1, logits.size(-1)), batch[:, 1:].reshape(-1))))
+    return round(sum(losses) / len(losses), 4)
 
 
 def compute_intervals(events: Sequence[dict]) -> list[tuple[float, float]]:
@@ -368,7 +420,8 @@ def arm_figures(name: str, events: dict[str, list[dict]], summaries: dict[str, d
     utils = [u for u in (learner_utilization(evs) for evs in events.values()) if u is not None]
     sent = sum(s.get("bytes_sent", 0) for s in summaries.values())
     trained = sum(s.get("tokens", 0) for s in summaries.values())
-    compute = {n: compute_intervals(evs) for n, evs in events.items()}
+    # an evaluation is work, not downtime (every learner evaluates at about the same time)
+    compute = {n: compute_intervals(evs) + eval_spans(evs) for n, evs in events.items()}
     downtime, _ = (global_downtime(compute, {"arm": [(min(starts), max(ends))]}, min(starts), max(ends))
                    if starts else (None, []))
     lost = {n: lost_after(evs, mid) for n, evs in events.items() if n != victim} if mid else {}
@@ -420,7 +473,8 @@ def stall_per_failure(clean: dict, failed: dict) -> Optional[float]:
 # ------------------------------------------------------------------ table and plot
 
 COLUMNS = [
-    ("arm", "arm"), ("eval_loss", "eval loss"), ("eval_vs_ddp", "vs ddp"), ("wall_seconds", "wall s"),
+    ("arm", "arm"), ("eval_loss", "eval loss"), ("eval_vs_ddp", "vs ddp"),
+    ("eval_loss_mean_model", "eval loss, mean model"), ("mean_model_vs_ddp", "vs ddp"), ("wall_seconds", "wall s"),
     ("tokens_per_second", "tokens/s"), ("utilization", "utilization"), ("bytes_per_token", "bytes/token"),
     ("fewer_bytes_than_ddp", "x fewer bytes than ddp"), ("stall_per_failure", "stall/failure s"),
     ("global_downtime_seconds_failure", "downtime s"), ("eval_loss_failure", "eval loss (failure)"),
@@ -440,6 +494,8 @@ def combine(rows: Sequence[dict], failure_rows: Sequence[dict]) -> list[dict]:
             out["stall_per_failure"] = stall_per_failure(row, f)
             out["global_downtime_seconds_failure"] = f["global_downtime_seconds"]
             out["eval_loss_failure"] = f["eval_loss"]
+        if ddp and ddp.get("eval_loss_mean_model") and row.get("eval_loss_mean_model"):
+            out["mean_model_vs_ddp"] = f"{100 * (row['eval_loss_mean_model'] / ddp['eval_loss_mean_model'] - 1):+.1f}%"
         if ddp and ddp.get("eval_loss") and row.get("eval_loss"):
             out["eval_vs_ddp"] = f"{100 * (row['eval_loss'] / ddp['eval_loss'] - 1):+.1f}%"
             ratios = [row["eval_loss"] / ddp["eval_loss"]]
@@ -516,10 +572,12 @@ def run_bench(bench: Bench, arms: Sequence[str], *, failure: bool = True) -> lis
 
 
 def median_step_seconds(folder: Path, learners: int) -> Optional[float]:
-    """Median compute seconds of one inner step over the learners of an arm (to set our period)."""
-    durations = []
+    """Median seconds from one inner step's end to the next over the learners of an arm (its step
+    cadence, communication included), to set our period to H steps of the same machine load."""
+    cadence = []
     for rank in range(learners):
         path = folder / f"island-{rank}.events.jsonl"
         if path.exists():
-            durations += [b - a for a, b in compute_intervals(read_events(str(path)))]
-    return statistics.median(durations) if durations else None
+            ends = [e["t"] for e in read_events(str(path)) if e.get("event") == "step"]
+            cadence += [b - a for a, b in zip(ends, ends[1:])]
+    return statistics.median(cadence) if cadence else None
