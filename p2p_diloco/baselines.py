@@ -240,8 +240,11 @@ def run_ddp(args: argparse.Namespace, stop) -> None:
 
 def _counting_compression(counter):
     """hivemind's plain fp32 codec that adds each message's serialized size to ``counter`` (a
-    ``multiprocessing.Value``, shared with the averager process forked after this)."""
-    from hivemind.compression import NoCompression
+    ``multiprocessing.Value``, shared with the averager process forked after this). It is both the
+    averager's compression (a member's parts, sent through the instance) and hivemind's table entry
+    for ``NONE`` (a reducer's averaged replies, serialized by type, and state downloads), so every
+    message this learner sends is counted once."""
+    from hivemind.compression import NoCompression, serialization
 
     class CountingNoCompression(NoCompression):
         def compress(self, tensor, info, allow_inplace=False):
@@ -250,7 +253,9 @@ def _counting_compression(counter):
                 counter.value += len(message.buffer)
             return message
 
-    return CountingNoCompression()
+    codec = CountingNoCompression()
+    serialization._BASE_COMPRESSION_TYPES["NONE"] = codec
+    return codec
 
 
 def run_hivemind(args: argparse.Namespace, stop) -> None:
@@ -432,7 +437,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--final-params", default="", help="save the final parameters here; {rank} is replaced")
     parser.add_argument("--timeout", type=float, default=30.0, help="seconds a collective may take")
     parser.add_argument("--checkpoint", default="", help="ddp: checkpoint file for restarts")
-    parser.add_argument("--checkpoint-every", type=int, default=25, help="ddp: steps between checkpoints")
+    parser.add_argument("--checkpoint-every", type=int, default=30, help="ddp: steps between checkpoints")
     parser.add_argument("--initial-peers", nargs="*", default=[], help="hivemind: DHT initial peers")
     parser.add_argument("--run-id", default="bench", help="hivemind: run id")
     parser.add_argument("--matchmaking-time", type=float, default=3.0,

@@ -19,9 +19,10 @@ Figures come from the learners' own event logs (definitions: DESIGN.md, "What we
 - **utilization**: per learner, compute seconds (inner steps minus the time a step was blocked on
   communication) / its span from first to last step minus its evaluations; the mean over learners;
 - **bytes/token**: bytes a learner sent / tokens it trained, all learners together;
-- **stall per failure**: over the survivors, the median of the time their inner loops lost, from
-  the kill to their end, beyond their usual gap between steps, minus what the same learners lost in
-  the same stretch of the pass without a failure (so an arm's own end-of-run waits do not count);
+- **stall per failure**: the mean over the survivors of the time their inner loops lost, from the
+  kill to their end, beyond their usual gap between steps (replayed steps count as lost), minus
+  the mean of what the same learners lost in the same stretch of the pass without a failure (so an
+  arm's own waits, e.g. at the end of the run, do not count);
 - **global downtime**: time in the failure pass during which no learner was computing or evaluating
   (gaps of 1 s or more).
 """
@@ -350,6 +351,9 @@ def mean_model_eval(folder: Path, bench: Bench) -> Optional[float]:
     from p2p_diloco.model import build_model, resolve_spec
 
     found = [p for p in (final_params(folder, f"island-{r}") for r in range(bench.learners)) if p]
+    if len(found) < bench.learners:
+        print(f"[compare] {folder.name}: the mean model averages {len(found)} of {bench.learners} learners "
+              "(the others left no final parameters)", flush=True)
     if not found:
         return None
     spec = resolve_spec(ModelConfig(preset="tiny"))
@@ -378,7 +382,8 @@ def eval_spans(events: Sequence[dict]) -> list[tuple[float, float]]:
 
 def lost_after(events: Sequence[dict], at: float) -> Optional[float]:
     """Seconds a learner's inner loop lost from ``at`` to its end: gaps between compute intervals
-    (evaluations excluded) beyond its usual gap before ``at``."""
+    (evaluations excluded) beyond its usual gap before ``at``, plus the compute time of steps it did
+    again (a step number it had already passed: DDP's workers replay from their checkpoint)."""
     steps = compute_intervals(events)
     evals = eval_spans(events)
     before = [s for s in steps if s[1] <= at]
@@ -387,7 +392,13 @@ def lost_after(events: Sequence[dict], at: float) -> Optional[float]:
         return None
     usual = typical_gap(before, evals)
     window = [before[-1], *after]
-    return sum(max(0.0, gap - usual) for gap in _gaps(window, evals))
+    lost = sum(max(0.0, gap - usual) for gap in _gaps(window, evals))
+    reached = 0
+    for event in (e for e in events if e.get("event") == "step"):
+        if event["t"] > at and event.get("step", 0) <= reached:
+            lost += max(0.0, event["dt"] - event.get("comm", 0.0))
+        reached = max(reached, event.get("step", 0))
+    return lost
 
 
 def learner_utilization(events: Sequence[dict]) -> Optional[float]:
@@ -460,14 +471,16 @@ def _curve(events: dict[str, list[dict]], t0: float) -> list[tuple[float, float,
 
 
 def stall_per_failure(clean: dict, failed: dict) -> Optional[float]:
-    """Median over survivors of the time lost after the kill minus the time the same learner lost
-    after the same point of the clean pass (seconds, at least 0)."""
-    extra = []
-    for name, lost in failed.get("lost_after_mid", {}).items():
-        base = clean.get("lost_after_mid", {}).get(name)
-        if lost is not None and base is not None:
-            extra.append(max(0.0, lost - base))
-    return round(statistics.median(extra), 3) if extra else None
+    """Mean over the survivors of the time they lost after the kill, minus the mean of what the same
+    learners lost after the same point of the clean pass (seconds; near 0 it can come out slightly
+    negative: run-to-run noise)."""
+    names = [n for n, v in failed.get("lost_after_mid", {}).items()
+             if v is not None and clean.get("lost_after_mid", {}).get(n) is not None]
+    if not names:
+        return None
+    failed_mean = statistics.fmean(failed["lost_after_mid"][n] for n in names)
+    clean_mean = statistics.fmean(clean["lost_after_mid"][n] for n in names)
+    return round(failed_mean - clean_mean, 3)
 
 
 # ------------------------------------------------------------------ table and plot

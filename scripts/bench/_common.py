@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import signal
 import sys
 import time
 from pathlib import Path
@@ -41,15 +42,28 @@ def bench_from_args(parser: argparse.ArgumentParser, args: argparse.Namespace, n
         parser.error("--learners must be at least 2")
     if args.steps < 4 or args.h < 1 or args.eval_every_steps < 1 or args.eval_batches < 1 or args.shards < 1:
         parser.error("--steps must be at least 4; --h, --eval-every-steps, --eval-batches and --shards at least 1")
+    if args.timeout <= 0 or args.eval_seconds <= 0 or args.ours_period < 0 or extra.get("restart_after", 0) < 0:
+        parser.error("--timeout and --eval-seconds must be positive, --ours-period and --restart-after not negative")
+    if len(set(args.arms)) != len(args.arms):
+        parser.error("an arm is named twice in --arms")
     out = Path(args.out or f"runs/bench/{name}-{time.strftime('%Y%m%d-%H%M%S')}")
+    if out.exists() and any(out.iterdir()):
+        # event logs append and learners resume from checkpoints: an old run's files would mix in
+        parser.error(f"--out {out} is not empty: give a new folder (or remove it)")
     return Bench(out=out, learners=args.learners, steps=args.steps, h=args.h, eval_every_steps=args.eval_every_steps,
                  eval_seconds=args.eval_seconds, eval_batches=args.eval_batches, shards=args.shards,
                  outer_lr=args.outer_lr, outer_momentum=args.outer_momentum, ours_period=args.ours_period,
                  timeout=args.timeout, **extra)
 
 
+def _interrupt(signum, frame):
+    raise KeyboardInterrupt
+
+
 def run(body: Callable[[], None]) -> int:
-    """Run a benchmark; Ctrl+C (every process of the running arm is stopped) exits 130, a failed arm 1."""
+    """Run a benchmark; Ctrl+C or SIGTERM (every process of the running arm is stopped) exits 130,
+    a failed arm 1."""
+    signal.signal(signal.SIGTERM, _interrupt)
     try:
         body()
     except KeyboardInterrupt:

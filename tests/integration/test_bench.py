@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import subprocess
 import sys
 
@@ -17,6 +18,21 @@ pytestmark = pytest.mark.integration
 
 TINY = ["--learners", "2", "--steps", "12", "--h", "4", "--eval-every-steps", "6", "--eval-batches", "2",
         "--eval-seconds", "5", "--ours-period", "12"]
+
+
+def _left_running(folder) -> list[str]:
+    """Command lines of live processes that name ``folder`` (every process of an arm does)."""
+    found = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/cmdline", "rb") as f:
+                    cmdline = f.read().replace(b"\0", b" ").decode(errors="replace")
+            except OSError:
+                continue
+            if str(folder) in cmdline:
+                found.append(cmdline)
+    return found
 
 
 def _finite(row: dict, keys) -> None:
@@ -50,6 +66,7 @@ def test_compare_writes_every_arm_with_finite_figures(tmp_path):
     table = (tmp_path / "table.md").read_text()
     assert all(f"| {arm} |" in table for arm in ["ddp", "hivemind", "torchft", "ours-sync", "ours"])
     assert (tmp_path / "compare.png").stat().st_size > 10_000 and "plot:" in result.stdout
+    assert not _left_running(tmp_path)  # every learner, torchrun worker, DHT and lighthouse has ended
     # the failure pass really killed a learner and (where the arm can) restarted it
     failure = {r["arm"]: r for r in json.loads((tmp_path / "results.json").read_text())["failure"]}
     for arm, row in failure.items():
@@ -67,3 +84,13 @@ def test_wan_runs_ddp_and_ours_over_throttled_links(tmp_path):
         _finite(row, ["eval_loss", "eval_loss_mean_model", "wall_seconds", "tokens_per_second", "utilization",
                       "bytes_per_token"])
     assert "| ours |" in (tmp_path / "table.md").read_text()
+    assert not _left_running(tmp_path)
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("script,flags", [("compare.py", ["--learners", "1"]),
+                                          ("compare.py", ["--arms", "ours", "ours"]), ("wan.py", ["--timeout", "0"])])
+def test_bad_flags_exit_2_with_a_message(script, flags, tmp_path):
+    result = subprocess.run([sys.executable, str(ROOT / "scripts" / "bench" / script), *flags, "--out", str(tmp_path)],
+                            capture_output=True, text=True, timeout=50, cwd=ROOT)
+    assert result.returncode == 2 and "error:" in result.stderr and "Traceback" not in result.stderr
