@@ -222,6 +222,7 @@ def start_arm(arm: Arm, *, restart: Optional[str] = None, steps: Optional[int] =
                     "--summary-json", str(arm.summary_path(name)), "--log-jsonl", str(arm.events_path(name)),
                     "--data-num-shards", str(bench.shards), "--data-shard-index", str(rank % bench.shards),
                     "--max-steps", str(left), "--checkpoint-dir", str(arm.folder / "checkpoints" / name),
+                    "--checkpoint-every", "86400",  # only the exit checkpoint: a restart joins from peers
                     *ours_args(arm.name, bench)]
         arm.lives[name] = arm.lives.get(name, 0) + 1
         arm.procs[name] = arm.spawn(f"{name}.{arm.lives[name]}", argv)
