@@ -16,7 +16,7 @@ import statistics
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Optional, Sequence
+from typing import Callable, Optional, Sequence
 
 from p2p_diloco.events import read_events
 from p2p_diloco.localswarm import LocalSwarm
@@ -182,3 +182,24 @@ def run_experiment(name: str, title: str, arms: Sequence[Arm], out: Path, *, tim
     plot(rows, out / f"{name}.png", title)
     print(f"\n{title}\n\n{text}\n\nplot: {out / f'{name}.png'}")
     return rows
+
+
+def run_script(body: Callable[[], object]) -> int:
+    """Run an experiment or benchmark script's work: Ctrl+C or SIGTERM (every process of the running
+    arm is stopped on the way out) exits 130, a failed arm (RuntimeError) 1 with one ``error:`` line."""
+    import signal
+    import sys
+
+    def interrupt(signum, frame):
+        raise KeyboardInterrupt
+
+    signal.signal(signal.SIGTERM, interrupt)
+    try:
+        body()
+    except KeyboardInterrupt:
+        print("interrupted: every process of the running arm was stopped", file=sys.stderr)
+        return 130
+    except RuntimeError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+    return 0

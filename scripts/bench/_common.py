@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import signal
 import sys
 import time
 from pathlib import Path
@@ -12,6 +11,7 @@ from typing import Callable
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from p2p_diloco.benchmark import Bench  # noqa: E402
+from p2p_diloco.experiment import run_script  # noqa: E402
 
 
 def parser_with_common_flags(doc: str, *, steps: int, arms, period_help: str) -> argparse.ArgumentParser:
@@ -56,20 +56,6 @@ def bench_from_args(parser: argparse.ArgumentParser, args: argparse.Namespace, n
                  timeout=args.timeout, **extra)
 
 
-def _interrupt(signum, frame):
-    raise KeyboardInterrupt
-
-
 def run(body: Callable[[], None]) -> int:
-    """Run a benchmark; Ctrl+C or SIGTERM (every process of the running arm is stopped) exits 130,
-    a failed arm 1."""
-    signal.signal(signal.SIGTERM, _interrupt)
-    try:
-        body()
-    except KeyboardInterrupt:
-        print("interrupted: every process of the running arm was stopped", file=sys.stderr)
-        return 130
-    except RuntimeError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 1
-    return 0
+    """Run a benchmark: Ctrl+C or SIGTERM exits 130, a failed arm 1 (:func:`p2p_diloco.experiment.run_script`)."""
+    return run_script(body)

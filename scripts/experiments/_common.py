@@ -10,7 +10,7 @@ from typing import Callable, Sequence
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from p2p_diloco.experiment import Arm, run_experiment  # noqa: E402
+from p2p_diloco.experiment import Arm, run_experiment, run_script  # noqa: E402
 
 
 def main(name: str, title: str, build: Callable[[int], Sequence[Arm]], default_steps: int, doc: str) -> int:
@@ -30,12 +30,4 @@ def main(name: str, title: str, build: Callable[[int], Sequence[Arm]], default_s
             parser.error(f"unknown arm(s) {', '.join(unknown)}; this experiment has {', '.join(a.name for a in arms)}")
         arms = [arm for arm in arms if arm.name in args.arms]
     out = Path(args.out or f"runs/experiments/{name}-{time.strftime('%Y%m%d-%H%M%S')}")
-    try:
-        run_experiment(name, title, arms, out, timeout=args.timeout)
-    except KeyboardInterrupt:
-        print("interrupted: every process of the running arm was stopped", file=sys.stderr)
-        return 130
-    except RuntimeError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 1
-    return 0
+    return run_script(lambda: run_experiment(name, title, arms, out, timeout=args.timeout))

@@ -46,3 +46,17 @@ def test_bandwidth_figures_against_a_known_payload():
     assert figures["peak_bytes_per_inner_step"] == 50_000
     nothing = bandwidth_figures(SimpleNamespace(bytes_sent=0, round_bytes_sent=0, peak_bytes_per_step=0), 0, 10, 1)
     assert nothing["bytes_per_token"] is None and nothing["reduction_vs_dp"] is None
+
+
+def test_run_script_maps_failures_to_exit_codes(capsys):
+    from p2p_diloco.experiment import run_script
+
+    def fail():
+        raise RuntimeError("arm x: no island wrote a summary")
+
+    def interrupted():
+        raise KeyboardInterrupt
+
+    assert run_script(lambda: None) == 0
+    assert run_script(fail) == 1 and "error: arm x: no island wrote a summary" in capsys.readouterr().err
+    assert run_script(interrupted) == 130 and "interrupted" in capsys.readouterr().err
