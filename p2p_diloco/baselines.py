@@ -84,31 +84,45 @@ class Meter:
         return event
 
 
-def build_learner(args: argparse.Namespace, wrap: Callable[[torch.nn.Module], torch.nn.Module] = lambda m: m,
-                  meter: Optional[Meter] = None) -> tuple[Learner, EventLog, int]:
-    """The learner of ``--rank``: our islands' model, shard, batches, inner AdamW and eval batches.
+def make_learner(rank: int, *, preset: str = "tiny", seed: int = ModelConfig().seed, shards: int = 1,
+                 eval_batches: int = 16, inner: Optional[InnerConfig] = None,
+                 wrap: Callable[[torch.nn.Module], torch.nn.Module] = lambda m: m,
+                 events: Callable[[dict], None] = lambda event: None) -> tuple[Learner, int]:
+    """Learner ``island-<rank>`` as our islands build it: the preset's model from ``seed``, the
+    windows of shard ``rank mod shards`` in the island's order, inner AdamW, the fixed eval batches.
 
     :param wrap: wraps the model (e.g. in DDP) before the learner sees it
-    :returns: (learner, its event log, the model's parameter count)
+    :returns: (learner, the model's parameter count)
     """
-    torch.manual_seed(args.seed)
-    spec = resolve_spec(ModelConfig(preset=args.preset))
+    torch.manual_seed(seed)
+    spec = resolve_spec(ModelConfig(preset=preset))
     corpus = data_lib.load_corpus("", "", spec.vocab_size, 0.05)
-    model = build_model(spec, corpus.vocab_size, args.seed)
+    model = build_model(spec, corpus.vocab_size, seed)
     params = count_parameters(model)
     model = wrap(model)
-    island = f"island-{args.rank}"
-    batch_size = spec.batch_size
-    sampler = data_lib.BatchSampler(corpus.shard(args.rank % args.shards, args.shards), batch_size, spec.seq_len,
-                                    args.seed, island)
-    events = EventLog(args.events.format(rank=args.rank), island)
-    events({"event": "start", "pid": os.getpid(), "arm": args.arm})
-    meter = meter or Meter()
-    inner = InnerConfig(lr=args.inner_lr, warmup_steps=args.warmup_steps)
+    sampler = data_lib.BatchSampler(corpus.shard(rank % shards, shards), spec.batch_size, spec.seq_len, seed,
+                                    f"island-{rank}")
     layout = balanced_layout([(name, p.numel()) for name, p in model.named_parameters()], 1)
     learner = Learner(model=model, layout=layout, next_batch=sampler.next_batch,
-                      eval_data=data_lib.eval_batches(corpus.eval, args.eval_batches, batch_size, spec.seq_len),
-                      device=torch.device("cpu"), inner=inner, events=lambda e: events(meter.annotate(e)))
+                      eval_data=data_lib.eval_batches(corpus.eval, eval_batches, spec.batch_size, spec.seq_len),
+                      device=torch.device("cpu"), inner=inner or InnerConfig(), events=events)
+    return learner, params
+
+
+def build_learner(args: argparse.Namespace, wrap: Callable[[torch.nn.Module], torch.nn.Module] = lambda m: m,
+                  meter: Optional[Meter] = None) -> tuple[Learner, EventLog, int]:
+    """The learner of ``--rank`` (:func:`make_learner`) with its event log, whose step events carry
+    ``meter``'s blocked seconds and bytes.
+
+    :returns: (learner, its event log, the model's parameter count)
+    """
+    events = EventLog(args.events.format(rank=args.rank), f"island-{args.rank}")
+    events({"event": "start", "pid": os.getpid(), "arm": args.arm})
+    meter = meter or Meter()
+    learner, params = make_learner(args.rank, preset=args.preset, seed=args.seed, shards=args.shards,
+                                   eval_batches=args.eval_batches,
+                                   inner=InnerConfig(lr=args.inner_lr, warmup_steps=args.warmup_steps),
+                                   wrap=wrap, events=lambda e: events(meter.annotate(e)))
     return learner, events, params
 
 
@@ -275,11 +289,10 @@ def run_hivemind(args: argparse.Namespace, stop) -> None:
     learner, events, params = build_learner(args, meter=meter)
     spec = resolve_spec(ModelConfig(preset=args.preset))
     dht = hivemind.DHT(initial_peers=args.initial_peers, host_maddrs=["/ip4/127.0.0.1/tcp/0"], start=True)
-    model = learner.model
-    decay = [p for p in model.parameters() if p.dim() >= 2]
-    no_decay = [p for p in model.parameters() if p.dim() < 2]
-    groups = [{"params": decay, "weight_decay": InnerConfig().weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+    # the learner's own AdamW groups (weight decay on matrices only) and settings, run by hivemind
+    groups = [{"params": g["params"], "weight_decay": g["weight_decay"]} for g in learner.optimizer.param_groups]
     inner = InnerConfig(lr=args.inner_lr, warmup_steps=args.warmup_steps)
+    warmup = learner.scheduler.lr_lambdas[0]  # LR factor after a number of steps
     opt = hivemind.Optimizer(
         dht=dht, run_id=args.run_id, params=groups,
         optimizer=partial(torch.optim.AdamW, lr=inner.lr, betas=(inner.beta1, inner.beta2), eps=1e-8),
@@ -302,9 +315,9 @@ def run_hivemind(args: argparse.Namespace, stop) -> None:
             self.param_groups = opt.param_groups
 
         def step(self):
-            self.count += 1
             for group in opt.param_groups:
-                group["lr"] = inner.lr * (min(1.0, self.count / inner.warmup_steps) if inner.warmup_steps else 1.0)
+                group["lr"] = inner.lr * warmup(self.count)
+            self.count += 1
             core["seconds"] = 0.0
             began = time.perf_counter()
             opt.step()

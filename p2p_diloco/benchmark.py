@@ -35,15 +35,16 @@ import os
 import signal
 import statistics
 import subprocess
-import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Optional, Sequence
 
 from p2p_diloco.events import read_events
+from p2p_diloco.experiment import table
 from p2p_diloco.figures import _gaps, global_downtime, merge, typical_gap
-from p2p_diloco.localswarm import Managed, descendants, read_line
+from p2p_diloco.chaos import EventTail
+from p2p_diloco.localswarm import LocalSwarm, descendants, read_line
 
 ARMS = ("ddp", "hivemind", "torchft", "ours-sync", "ours")
 TOKENS_PER_STEP = 16 * 128  # the tiny preset's batch x sequence length
@@ -93,63 +94,42 @@ class Bench:
 # ------------------------------------------------------------------ processes
 
 
-class Arm:
-    """The processes of one arm run; ``close()`` ends every one of them (by PID)."""
+class Arm(LocalSwarm):
+    """The processes of one arm run: a :class:`~p2p_diloco.localswarm.LocalSwarm` whose ``islands``
+    are the learners (or, for DDP on one host, its ``torchrun``) and whose ``bootstrap`` is the
+    bootstrap node or torchft's lighthouse; ``close()`` ends every one of them (by PID).
 
-    def __init__(self, name: str, bench: Bench, folder: Path):
-        self.name, self.bench, self.folder = name, bench, folder
-        folder.mkdir(parents=True, exist_ok=True)
-        self.env = os.environ.copy() | {
-            "PYTHONUNBUFFERED": "1", "P2P_DILOCO_EXIT_WITH_PARENT": "1", "OMP_NUM_THREADS": "1",
-            "GLOO_SOCKET_IFNAME": "lo", "MASTER_ADDR": "127.0.0.1", "TORCHFT_LIGHTHOUSE": "",
-        } | bench.env
-        self.procs: dict[str, Managed] = {}
-        self.service: list[Managed] = []  # bootstrap node / lighthouse
-        self.peers: list[str] = []
+    :param lab: with ``bench.rate``, the network namespaces (one per learner); closed with the arm
+    """
+
+    def __init__(self, name: str, bench: Bench, folder: Path, lab=None):
+        env = {"OMP_NUM_THREADS": "1", "GLOO_SOCKET_IFNAME": "lo", "MASTER_ADDR": "127.0.0.1",
+               "TORCHFT_LIGHTHOUSE": ""} | bench.env
+        super().__init__(folder, run_id=name.replace("-", "_"), env=env,
+                         host=lab.host if lab is not None else "127.0.0.1")
+        self.name, self.bench, self.folder, self.lab = name, bench, folder, lab
         self.faults: list[dict] = []
-        self.lives: dict[str, int] = {}
-        self.lab = None  # p2p_diloco.netns.Lab when bench.rate is set
 
-    def host(self, rank: Optional[int] = None) -> str:
-        """The address a learner (or, with None, the bootstrap node) listens on."""
-        if self.lab is None:
-            return "127.0.0.1"
-        return self.lab.host if rank is None else self.lab.address(rank)
+    def learner_host(self, rank: int) -> str:
+        return self.lab.address(rank) if self.lab is not None else self.host
 
     def prefix(self, rank: int) -> list[str]:
         return self.lab.prefix(rank) if self.lab is not None else []
 
-    def events_path(self, learner: str) -> Path:
-        return self.folder / f"{learner}.events.jsonl"
-
-    def summary_path(self, learner: str) -> Path:
-        return self.folder / f"{learner}.summary.json"
-
-    def spawn(self, name: str, argv: Sequence[str], *, stdout=None) -> Managed:
-        log_path = self.folder / f"{name}.log"
-        with open(log_path, "ab") as log:
-            popen = subprocess.Popen(list(argv), stdout=stdout or log, stderr=log, env=self.env,
-                                     start_new_session=True, cwd=self.folder)
-        return Managed(name, popen, log_path)
-
-    def start_service(self, argv: Sequence[str], prefix: str) -> str:
-        """Start a bootstrap node or lighthouse that prints ``PREFIX=value`` first; returns value."""
-        managed = self.spawn(argv[3] if len(argv) > 3 else "service", argv, stdout=subprocess.PIPE)
-        self.service.append(managed)
-        line = read_line(managed.popen, 60.0)
-        if not line.startswith(prefix + "="):
-            raise RuntimeError(f"{self.name}: {argv[3]} did not start ({line!r}); see {managed.log_path}")
+    def start_lighthouse(self) -> str:
+        """Start torchft's lighthouse (:func:`p2p_diloco.baselines.run_lighthouse`); returns its address."""
+        self.bootstrap = self._spawn("lighthouse", ["lighthouse"], stdout=subprocess.PIPE,
+                                     module="p2p_diloco.baselines")
+        line = read_line(self.bootstrap.popen, 60.0)
+        if not line.startswith("LIGHTHOUSE="):
+            raise RuntimeError(f"{self.name}: the lighthouse did not start ({line!r}); see {self.bootstrap.log_path}")
         return line.split("=", 1)[1].strip()
 
-    def close(self) -> None:
-        for managed in [*self.procs.values(), *self.service]:
-            managed.remember_tree()
-            if managed.alive():
-                managed.popen.send_signal(signal.SIGTERM)
-        for managed in [*self.procs.values(), *self.service]:
-            managed.stop(30.0, signal_first=False)
+    def close(self, timeout: float = 30.0) -> list[int]:
+        leftovers = super().close(timeout)
         if self.lab is not None:
             self.lab.close()
+        return leftovers
 
     def kill(self, learner: str) -> None:
         """SIGKILL a learner's whole process tree (DDP: the torchrun worker, found by its pid)."""
@@ -157,8 +137,7 @@ class Arm:
             starts = [e for e in read_events(str(self.events_path(learner))) if e.get("event") == "start"]
             pids = [starts[-1]["pid"]] if starts else []
         else:
-            managed = self.procs[learner]
-            pids = [managed.pid]
+            pids = [self.islands[learner].pid]
         for pid in list(pids):
             pids += descendants(pid)
         for pid in pids:
@@ -168,14 +147,10 @@ class Arm:
                 pass
         if self.name != "ddp":
             try:
-                self.procs[learner].popen.wait(10)
+                self.islands[learner].popen.wait(10)
             except subprocess.TimeoutExpired:
                 pass
         self.faults.append({"t": time.time(), "kind": "kill", "island": learner})
-
-
-def _python() -> list[str]:
-    return [sys.executable, "-m"]
 
 
 def start_arm(arm: Arm, *, restart: Optional[str] = None, steps: Optional[int] = None) -> None:
@@ -189,43 +164,36 @@ def start_arm(arm: Arm, *, restart: Optional[str] = None, steps: Optional[int] =
                   "--final-params", str(arm.folder / "island-{rank}.final.safetensors"),
                   "--checkpoint", str(arm.folder / "checkpoint.pt")]
         if arm.lab is None:  # one torchrun for all workers; it restarts them all when one dies
-            argv = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nnodes", "1",
-                    "--nproc-per-node", str(bench.learners), "--max-restarts", "1", "--monitor-interval", "0.5",
-                    *worker]
-            arm.procs["torchrun"] = arm.spawn("torchrun", argv)
+            arm.islands["torchrun"] = arm._spawn(
+                "torchrun", ["--standalone", "--nnodes", "1", "--nproc-per-node", str(bench.learners),
+                             "--max-restarts", "1", "--monitor-interval", "0.5", *worker],
+                module="torch.distributed.run")
             return
         for rank in range(bench.learners):  # one node per namespace, static rendezvous at node 0
-            argv = [*arm.prefix(rank), "env", "GLOO_SOCKET_IFNAME=eth0", sys.executable, "-m",
-                    "torch.distributed.run", "--nnodes", str(bench.learners), "--nproc-per-node", "1",
-                    "--node-rank", str(rank), "--master-addr", arm.host(0), "--master-port", "29500", *worker]
-            arm.procs[f"island-{rank}"] = arm.spawn(f"torchrun-{rank}", argv)
+            arm.islands[f"island-{rank}"] = arm._spawn(
+                f"torchrun-{rank}", ["--nnodes", str(bench.learners), "--nproc-per-node", "1", "--node-rank", str(rank),
+                                     "--master-addr", arm.learner_host(0), "--master-port", "29500", *worker],
+                prefix=[*arm.prefix(rank), "env", "GLOO_SOCKET_IFNAME=eth0"], module="torch.distributed.run")
         return
-    if arm.name in ("hivemind", "ours-sync", "ours") and not arm.service:
-        arm.peers = arm.start_service(
-            [*_python(), "p2p_diloco", "bootstrap", "--host-maddrs", f"/ip4/{arm.host()}/tcp/0",
-             "--identity-path", str(arm.folder / "bootstrap.key"), "--run-id", arm.name.replace("-", "_")],
-            "INITIAL_PEERS").split()
-    if arm.name == "torchft" and not arm.service:
-        arm.peers = [arm.start_service([*_python(), "p2p_diloco.baselines", "lighthouse"], "LIGHTHOUSE")]
+    if arm.name in ("hivemind", "ours-sync", "ours") and arm.bootstrap is None:
+        arm.start_bootstrap()
+    if arm.name == "torchft" and arm.bootstrap is None:
+        arm.initial_peers = [arm.start_lighthouse()]
     for name in names:
         rank = int(name.rsplit("-", 1)[1])
         left = steps if steps is not None else bench.steps
         if arm.name in ("hivemind", "torchft"):
-            argv = [*_python(), "p2p_diloco.baselines", arm.name, "--rank", str(rank), *_common(arm, left),
-                    "--events", str(arm.events_path(name)), "--summary", str(arm.summary_path(name)),
+            args = [arm.name, "--rank", str(rank), *_common(arm, left), "--events", str(arm.events_path(name)),
+                    "--summary", str(arm.summary_path(name)),
                     "--final-params", str(arm.folder / f"{name}.final.safetensors")]
-            argv += (["--initial-peers", *arm.peers, "--run-id", "bench"] if arm.name == "hivemind"
-                     else ["--lighthouse", arm.peers[0]])
+            args += (["--initial-peers", *arm.initial_peers, "--run-id", "bench"] if arm.name == "hivemind"
+                     else ["--lighthouse", arm.initial_peers[0]])
+            arm.islands[name] = arm._spawn(name, args, module="p2p_diloco.baselines")
         else:
-            argv = [*arm.prefix(rank), *_python(), "p2p_diloco", "peer", "--run-id", arm.name.replace("-", "_"),
-                    "--island", name, "--host-maddrs", f"/ip4/{arm.host(rank)}/tcp/0", "--initial-peers", *arm.peers,
-                    "--summary-json", str(arm.summary_path(name)), "--log-jsonl", str(arm.events_path(name)),
-                    "--data-num-shards", str(bench.shards), "--data-shard-index", str(rank % bench.shards),
-                    "--max-steps", str(left), "--checkpoint-dir", str(arm.folder / "checkpoints" / name),
-                    "--checkpoint-every", "86400",  # only the exit checkpoint: a restart joins from peers
-                    *ours_args(arm.name, bench)]
-        arm.lives[name] = arm.lives.get(name, 0) + 1
-        arm.procs[name] = arm.spawn(f"{name}.{arm.lives[name]}", argv)
+            arm.start_island(name, "--data-num-shards", str(bench.shards),
+                             "--data-shard-index", str(rank % bench.shards), "--max-steps", str(left), "--checkpoint-dir", str(arm.folder / "checkpoints" / name),
+                             "--checkpoint-every", "86400",  # only the exit checkpoint: a restart joins from peers
+                             *ours_args(arm.name, bench), host=arm.learner_host(rank), prefix=arm.prefix(rank))
 
 
 def _common(arm: Arm, steps: int) -> list[str]:
@@ -260,16 +228,13 @@ def ours_args(name: str, bench: Bench) -> list[str]:
     return [*common, "--outer-codec", "int4", *(["--outer-grace-window", "0.5"] if fast else [])]
 
 
-def _steps_done(arm: Arm, learner: str) -> int:
-    """Inner steps of the learner's current life (from its event log)."""
-    path = arm.events_path(learner)
-    if not path.exists():
-        return 0
-    events = read_events(str(path))
+def _steps_done(arm: Arm, tail: EventTail) -> int:
+    """Inner steps of the learner's current life, from its event log (read incrementally)."""
+    tail.read()
+    events = tail.seen
     starts = [i for i, e in enumerate(events) if e.get("event") in ("start", "resume")]
     begin = starts[-1] if starts and arm.name != "ddp" else 0
-    steps = [e for e in events[begin:] if e.get("event") == "step"]
-    return max((e.get("step", 0) for e in steps), default=0)
+    return max((e.get("step", 0) for e in events[begin:] if e.get("event") == "step"), default=0)
 
 
 def run_pass(name: str, bench: Bench, *, failure: bool, victim: str = "island-1") -> dict:
@@ -277,27 +242,28 @@ def run_pass(name: str, bench: Bench, *, failure: bool, victim: str = "island-1"
     steps and restart it ``restart_after`` s later with the steps it has left (DDP: torchrun
     restarts every worker from the checkpoint). Returns the arm's figures (:func:`arm_figures`)."""
     folder = bench.out / ("failure" if failure else "clean") / name
-    arm = Arm(name, bench, folder)
+    lab = None
+    if bench.rate:
+        from p2p_diloco.netns import Lab
+
+        lab = Lab(bench.learners)
+    arm = Arm(name, bench, folder, lab)
+    tail = EventTail(arm.events_path(victim))
     started = time.time()
     mid: Optional[float] = None
     try:
-        if bench.rate:
-            from p2p_diloco.netns import Lab
-
-            arm.lab = Lab(bench.learners)
-            for rank in range(bench.learners):
-                arm.lab.throttle(rank, bench.rate)
+        for rank in range(bench.learners if lab is not None else 0):
+            lab.throttle(rank, bench.rate)
         start_arm(arm)
         deadline = time.monotonic() + bench.timeout
         restart_at, left = None, 0
         while time.monotonic() < deadline:
-            running = [m for m in arm.procs.values() if m.alive()]
-            if not running and restart_at is None:
+            if not any(m.alive() for m in arm.islands.values()) and restart_at is None:
                 break
-            if mid is None and _steps_done(arm, victim) >= bench.steps // 2:
+            if mid is None and _steps_done(arm, tail) >= bench.steps // 2:
                 mid = time.time()
                 if failure:
-                    left = bench.steps - _steps_done(arm, victim)
+                    left = bench.steps - _steps_done(arm, tail)
                     arm.kill(victim)
                     if name != "ddp":
                         restart_at = time.monotonic() + bench.restart_after
@@ -343,13 +309,10 @@ def final_params(folder: Path, learner: str) -> Optional[dict]:
 
 def mean_model_eval(folder: Path, bench: Bench) -> Optional[float]:
     """Held-out loss (nats/token) of the element-wise mean of the learners' final parameters, on
-    the learners' own eval batches; None if no learner left its parameters."""
+    the learners' own eval batches (:meth:`Learner.evaluate`); None if no learner left its parameters."""
     import torch
-    import torch.nn.functional as F
 
-    from p2p_diloco import data as data_lib
-    from p2p_diloco.config import ModelConfig
-    from p2p_diloco.model import build_model, resolve_spec
+    from p2p_diloco.baselines import make_learner
 
     found = [p for p in (final_params(folder, f"island-{r}") for r in range(bench.learners)) if p]
     if len(found) < bench.learners:
@@ -357,18 +320,11 @@ def mean_model_eval(folder: Path, bench: Bench) -> Optional[float]:
               "(the others left no final parameters)", flush=True)
     if not found:
         return None
-    spec = resolve_spec(ModelConfig(preset="tiny"))
-    corpus = data_lib.load_corpus("", "", spec.vocab_size, 0.05)
-    model = build_model(spec, corpus.vocab_size, ModelConfig().seed)
+    learner, _ = make_learner(0, eval_batches=bench.eval_batches)
     with torch.no_grad():
-        for name, param in model.named_parameters():
+        for name, param in learner.model.named_parameters():
             param.copy_(torch.stack([p[name].double() for p in found]).mean(0).to(param.dtype))
-        model.eval()
-        losses = []
-        for batch in data_lib.eval_batches(corpus.eval, bench.eval_batches, spec.batch_size, spec.seq_len):
-            logits = model(input_ids=batch[:, :-1]).logits
-            losses.append(float(F.cross_entropy(logits.reshape(-1, logits.size(-1)), batch[:, 1:].reshape(-1))))
-    return round(sum(losses) / len(losses), 4)
+    return round(learner.evaluate(), 4)
 
 
 def compute_intervals(events: Sequence[dict]) -> list[tuple[float, float]]:
@@ -500,7 +456,7 @@ def combine(rows: Sequence[dict], failure_rows: Sequence[dict]) -> list[dict]:
     """One table row per arm: the clean pass's figures, the failure pass's, and ratios to ddp."""
     failure = {r["arm"]: r for r in failure_rows}
     ddp = next((r for r in rows if r["arm"] == "ddp"), None)
-    table = []
+    out_rows = []
     for row in rows:
         out = dict(row)
         if row["arm"] in failure:
@@ -518,15 +474,8 @@ def combine(rows: Sequence[dict], failure_rows: Sequence[dict]) -> list[dict]:
             out["ratios"] = ", ".join(f"{r:.3f}" for r in ratios)
         if ddp and ddp.get("bytes_per_token") and row.get("bytes_per_token"):
             out["fewer_bytes_than_ddp"] = round(ddp["bytes_per_token"] / row["bytes_per_token"], 1)
-        table.append(out)
-    return table
-
-
-def markdown(rows: Sequence[dict], columns=COLUMNS) -> str:
-    """A Markdown table ("-" where a figure is missing)."""
-    from p2p_diloco.experiment import table
-
-    return table(rows, columns)
+        out_rows.append(out)
+    return out_rows
 
 
 def plot(rows: Sequence[dict], out_path: Path, title: str) -> Path:
@@ -578,7 +527,7 @@ def run_bench(bench: Bench, arms: Sequence[str], *, failure: bool = True) -> lis
     rows = combine(clean, failed)
     (bench.out / "results.json").write_text(json.dumps({"clean": clean, "failure": failed, "table": rows,
                                                         "period": bench.period()}, indent=2) + "\n")
-    text = markdown(rows)
+    text = table(rows, COLUMNS)
     (bench.out / "table.md").write_text(text + "\n")
     plot(clean, bench.out / "compare.png", f"{bench.learners} learners x {bench.steps} steps, tiny preset, same data")
     print(f"\n{text}\n\nplot: {bench.out / 'compare.png'}", flush=True)

@@ -128,11 +128,13 @@ class LocalSwarm:
         self.initial_peers: list[str] = []
         self.islands: dict[str, Managed] = {}
 
-    def _spawn(self, name: str, args: Sequence[str], *, stdout=None, prefix: Sequence[str] = ()) -> Managed:
+    def _spawn(self, name: str, args: Sequence[str], *, stdout=None, prefix: Sequence[str] = (),
+               module: str = "p2p_diloco") -> Managed:
+        """Start ``python -m module args`` (after ``prefix``), logging to ``<name>.log`` (appended)."""
         log_path = self.workdir / f"{name}.log"
         log = open(log_path, "ab")
         popen = subprocess.Popen(
-            [*prefix, sys.executable, "-m", "p2p_diloco", *args], stdout=stdout or log, stderr=log, env=self.env,
+            [*prefix, sys.executable, "-m", module, *args], stdout=stdout or log, stderr=log, env=self.env,
             start_new_session=True,  # a Ctrl+C in the terminal reaches the launcher only; it stops us in order
         )
         log.close()

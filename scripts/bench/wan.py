@@ -15,7 +15,8 @@ import json
 
 from _common import bench_from_args, parser_with_common_flags, run
 
-from p2p_diloco.benchmark import combine, markdown, plot, run_pass
+from p2p_diloco.benchmark import combine, plot, run_pass
+from p2p_diloco.experiment import table
 from p2p_diloco.netns import check_available
 
 ARMS = ("ddp", "ours")
@@ -49,9 +50,9 @@ def run_wan(bench, arms) -> None:
         print(f"[wan] {name}: {bench.learners} learners x {bench.steps} steps, links at {bench.rate}", flush=True)
         rows.append(run_pass(name, bench, failure=False))
         print(f"[wan]   wall {rows[-1]['wall_seconds']} s, eval loss {rows[-1]['eval_loss']}", flush=True)
-    table = combine(rows, [])
-    text = markdown(table, COLUMNS)
-    (bench.out / "results.json").write_text(json.dumps({"rate": bench.rate, "rows": rows, "table": table}, indent=2)
+    combined = combine(rows, [])
+    text = table(combined, COLUMNS)
+    (bench.out / "results.json").write_text(json.dumps({"rate": bench.rate, "rows": rows, "table": combined}, indent=2)
                                             + "\n")
     (bench.out / "table.md").write_text(text + "\n")
     plot(rows, bench.out / "wan.png", f"{bench.learners} learners x {bench.steps} steps, links at {bench.rate}")

@@ -5,8 +5,9 @@ from __future__ import annotations
 import pytest
 
 from p2p_diloco.baselines import Meter, ring_bytes
-from p2p_diloco.benchmark import (arm_figures, combine, compute_intervals, learner_utilization, lost_after,
-                                  markdown, stall_per_failure)
+from p2p_diloco.benchmark import (COLUMNS, arm_figures, combine, compute_intervals, learner_utilization, lost_after,
+                                  stall_per_failure)
+from p2p_diloco.experiment import table
 
 
 def _steps(start, count, dt=1.0, gap=0.1, comm=0.0, stalls=None):
@@ -79,7 +80,7 @@ def test_arm_figures_and_table_against_ddp():
     rows = combine([ddp, ours], [ddp, ours])
     assert rows[1]["eval_vs_ddp"] == "+2.0%" and rows[1]["fewer_bytes_than_ddp"] == 300.0
     assert rows[1]["stall_per_failure"] == 0.0
-    text = markdown(rows)
+    text = table(rows, COLUMNS)
     assert text.count("\n") == 3 and "| ours | 5.1 | +2.0% |" in text
 
 
