@@ -339,16 +339,18 @@ def eval_spans(events: Sequence[dict]) -> list[tuple[float, float]]:
 
 def lost_after(events: Sequence[dict], at: float) -> Optional[float]:
     """Seconds a learner's inner loop lost from ``at`` to its end: gaps between compute intervals
-    (evaluations excluded) beyond its usual gap before ``at``, plus the compute time of steps it did
-    again (a step number it had already passed: DDP's workers replay from their checkpoint)."""
+    (evaluations excluded) beyond its usual gap, plus the compute time of steps it did again (a step
+    number it had already passed: DDP's workers replay from their checkpoint). The usual gap comes from
+    the steps before ``at``, or from the whole run where fewer than 5 came before (a learner that
+    started late); a learner that had finished by ``at`` lost 0 s. None with fewer than 3 steps."""
     steps = compute_intervals(events)
     evals = eval_spans(events)
+    if len(steps) < 3:
+        return None
     before = [s for s in steps if s[1] <= at]
     after = [s for s in steps if s[1] > at]
-    if len(before) < 5 or not after:
-        return None
-    usual = typical_gap(before, evals)
-    window = [before[-1], *after]
+    usual = typical_gap(before if len(before) >= 5 else steps, evals)
+    window = [*before[-1:], *after]
     lost = sum(max(0.0, gap - usual) for gap in _gaps(window, evals))
     reached = 0
     for event in (e for e in events if e.get("event") == "step"):

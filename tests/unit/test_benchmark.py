@@ -41,7 +41,17 @@ def test_lost_after_counts_only_gaps_beyond_the_usual_one():
     stalled = _steps(0.0, 40, stalls={25: 3.0})
     assert lost_after(stalled, 20.0) == pytest.approx(3.0)
     assert lost_after(stalled, 33.0) == pytest.approx(0.0, abs=1e-9)  # the stall was before
-    assert lost_after(_steps(0.0, 3), 1.0) is None  # too few steps to know the usual gap
+    assert lost_after(_steps(0.0, 2), 1.0) is None  # too few steps to know the usual gap
+
+
+def test_lost_after_a_late_start_or_an_early_finish():
+    # a learner that started after the kill: its usual gap comes from its whole run
+    late = _steps(30.0, 20, stalls={10: 2.0})
+    assert lost_after(late, 20.0) == pytest.approx(2.0)
+    # one that started just before: 3 steps before the kill are too few, the whole run decides
+    assert lost_after(_steps(17.0, 20, stalls={10: 2.0}), 20.0) == pytest.approx(2.0)
+    # one that had already finished lost nothing after the kill
+    assert lost_after(_steps(0.0, 10), 50.0) == 0.0
 
 
 def test_lost_after_counts_replayed_steps():
