@@ -1,6 +1,7 @@
 """The bootstrap node: a long-lived DHT peer with a persistent identity that islands join through.
 
-It holds no model. Its first line on stdout is ``INITIAL_PEERS=<maddr>[ <maddr>...]`` so scripts can
+It holds no model; with ``--dashboard-port`` it also serves the run's dashboard (its second stdout
+line is then ``DASHBOARD=<url>``). Its first line on stdout is ``INITIAL_PEERS=<maddr>[ <maddr>...]`` so scripts can
 read its addresses without parsing logs (hivemind's ``run_dht`` works the same way).
 """
 
@@ -31,25 +32,40 @@ def swarm_summary(dht, board: ProgressBoard | None, run_id: str) -> str:
 def run_bootstrap(config: BootstrapConfig, stop: StopSignal) -> None:
     """Serve the DHT until SIGINT/SIGTERM.
 
-    :raises UserError: malformed multiaddrs, a port in use, an unreadable identity, dead initial peers
+    :raises UserError: malformed multiaddrs, a port in use, an unreadable identity, dead initial peers,
+        missing dashboard files
     """
     peers = transport.parse_maddrs(config.initial_peers, what="--initial-peers", need_peer_id=True)
     transport.parse_maddrs(config.host_maddrs, what="--host-maddrs", need_peer_id=False)
     transport.parse_maddrs(config.announce_maddrs, what="--announce-maddrs", need_peer_id=False)
     transport.check_listen_ports(config.host_maddrs)
+    if config.dashboard_port is not None:
+        from p2p_diloco.assets import require
+
+        require()  # before starting anything
     identity = transport.ensure_identity(config.identity_path)
     validators, public_key = make_validators(config.run_id) if config.run_id else ([], b"")
     dht = transport.start_dht(
         initial_peers=peers, host_maddrs=config.host_maddrs, announce_maddrs=config.announce_maddrs,
         identity_path=identity, record_validators=validators, stop_event=stop.event,
     )
+    dashboard = None
     try:
         print("INITIAL_PEERS=" + " ".join(transport.visible_maddrs(dht)), flush=True)
         logger.info("bootstrap peer %s is up (identity %s)", dht.peer_id, identity)
         board = ProgressBoard(dht, config.run_id, public_key) if config.run_id else None
+        if config.dashboard_port is not None:
+            from p2p_diloco.dashboard import Dashboard
+
+            dashboard = Dashboard(dht, config.run_id, public_key, host=config.dashboard_host,
+                                  port=config.dashboard_port).start()
+            print(f"DASHBOARD={dashboard.url}", flush=True)
+            logger.info("dashboard of run %s at %s", config.run_id, dashboard.url)
         while not stop.event.wait(config.summary_period):
             logger.info(swarm_summary(dht, board, config.run_id))
     finally:
         logger.info("shutting down")
+        if dashboard is not None:
+            dashboard.close()
         dht.shutdown()
         sys.stdout.flush()

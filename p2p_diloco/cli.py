@@ -1,4 +1,5 @@
-"""``p2p-diloco``: the one command, with subcommands ``bootstrap``, ``peer`` and ``status``.
+"""``p2p-diloco``: the one command, with subcommands ``bootstrap``, ``peer``, ``status``, ``dashboard``,
+``fetch-assets`` and ``chaos``.
 
 User mistakes print ``error: <what and how to fix>`` on stderr and exit non-zero, without a traceback.
 """
@@ -20,6 +21,7 @@ EPILOG = """examples:
   p2p-diloco bootstrap --host-maddrs /ip4/0.0.0.0/tcp/31337 --identity-path bootstrap.key
   p2p-diloco peer --initial-peers /ip4/127.0.0.1/tcp/31337/p2p/12D3KooW... --run-id demo --island island-0
   p2p-diloco status --initial-peers /ip4/127.0.0.1/tcp/31337/p2p/12D3KooW... --run-id demo --watch
+  p2p-diloco dashboard --initial-peers /ip4/127.0.0.1/tcp/31337/p2p/12D3KooW... --run-id demo --port 8080
 """
 
 
@@ -31,7 +33,7 @@ def build_parser() -> argparse.ArgumentParser:
         epilog=EPILOG,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    commands = parser.add_subparsers(dest="command", metavar="{bootstrap,peer,status,chaos}", required=True)
+    commands = parser.add_subparsers(dest="command", metavar="{bootstrap,peer,status,dashboard,fetch-assets,chaos}", required=True)
 
     bootstrap = commands.add_parser(
         "bootstrap", help="run a long-lived DHT peer that islands join through",
@@ -55,6 +57,22 @@ def build_parser() -> argparse.ArgumentParser:
     )
     config_lib.add_config_arguments(status, config_lib.StatusConfig)
 
+    dashboard = commands.add_parser(
+        "dashboard", help="serve a live web page, /api/status and /metrics of a run",
+        description="Serve a run's live dashboard (islands, swarm totals, loss and tokens/s charts), its JSON "
+        "(/api/status) and Prometheus metrics (/metrics), from the islands' signed DHT records only. Its first "
+        "stdout line is DASHBOARD=<url>. Needs no GPU and holds no model.",
+    )
+    config_lib.add_config_arguments(dashboard, config_lib.DashboardConfig)
+
+    fetch = commands.add_parser(
+        "fetch-assets", help="download the dashboard's charting library (uPlot) once",
+        description="Download the pinned uPlot release from the npm registry (or read it from --from FILE.tgz on "
+        "a machine without internet), check its SHA-512 and install its files as package data.",
+    )
+    fetch.add_argument("--from", dest="source", default=None, metavar="FILE.tgz",
+                       help="a local copy of the uplot tarball instead of the registry")
+
     chaos = commands.add_parser(
         "chaos", help="run a local swarm with scheduled faults and report what they cost",
         description="Start a bootstrap node and islands on 127.0.0.1 (or in network namespaces), inject "
@@ -69,7 +87,7 @@ def build_parser() -> argparse.ArgumentParser:
     chaos.add_argument("--reanalyze", default="", metavar="DIR",
                        help="recompute report.json and timeline.png of a finished run folder, then exit")
 
-    for sub in (bootstrap, peer, status, chaos):
+    for sub in (bootstrap, peer, status, dashboard, fetch, chaos):
         sub.add_argument("-v", "--verbose", action="store_true", help="debug logs, including hivemind's")
     return parser
 
@@ -128,6 +146,15 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             from p2p_diloco.status import run_status
 
             run_status(config_lib.build_config(config_lib.StatusConfig, args), stop)
+        elif args.command == "dashboard":
+            from p2p_diloco.dashboard import run_dashboard
+
+            run_dashboard(config_lib.build_config(config_lib.DashboardConfig, args), stop)
+        elif args.command == "fetch-assets":
+            from p2p_diloco import assets
+
+            written = assets.fetch(args.source)
+            print(f"{len(written)} files written to {assets.VENDOR}" if written else f"already in {assets.VENDOR}")
         elif args.command == "chaos":
             return run_chaos(args, stop)
         else:

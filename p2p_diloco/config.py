@@ -153,6 +153,13 @@ class PeerConfig(_Section):
     max_minutes: float = Field(0.0, ge=0.0, description="stop after this many minutes of training (0: no limit)")
     summary_json: str = Field("", description="write the run summary here on exit")
     log_jsonl: str = Field("", description="append per-step, per-round and eval events here (JSON lines)")
+    wandb_project: str = Field("", description="also log metrics to this Weights & Biases project (extra: wandb)")
+    wandb_mode: Literal["", "online", "offline"] = Field(
+        "", description="W&B mode; offline needs no network (upload later with `wandb sync`); default: WANDB_MODE "
+        "or online",
+    )
+    tensorboard_dir: str = Field("", description="also write TensorBoard logs under DIR/<run-id>/<island>/ "
+                                 "(extra: tensorboard)")
     eval_every: float = Field(60.0, gt=0.0, description="seconds between eval-loss measurements")
     eval_batches: int = Field(8, ge=1, description="held-out batches per eval")
     progress_period: float = Field(2.0, gt=0.0, description="seconds between progress records on the DHT")
@@ -233,6 +240,16 @@ class BootstrapConfig(_Section):
     initial_peers: list[str] = Field(default_factory=list, description="other bootstrap nodes to join")
     run_id: str = Field("", description="also summarise this run's islands in the periodic log line")
     summary_period: float = Field(30.0, gt=0.0, description="seconds between swarm summary lines")
+    dashboard_port: Optional[int] = Field(
+        None, ge=0, le=65535, description="also serve the run's dashboard on this port (0: a free one; needs --run-id)"
+    )
+    dashboard_host: str = Field("127.0.0.1", description="address the dashboard listens on (0.0.0.0: every interface)")
+
+    @model_validator(mode="after")
+    def _check_dashboard(self) -> "BootstrapConfig":
+        if self.dashboard_port is not None and not self.run_id:
+            raise ValueError("--dashboard-port needs --run-id: the run whose islands the dashboard shows")
+        return self
 
     @field_validator("run_id")
     @classmethod
@@ -250,6 +267,24 @@ class StatusConfig(_Section):
     )
     watch: bool = Field(False, description="refresh until Ctrl+C")
     interval: float = Field(3.0, gt=0.0, description="seconds between refreshes with --watch")
+    join_timeout: float = Field(30.0, gt=0.0, description="seconds to keep trying to reach the peers")
+
+    @field_validator("run_id")
+    @classmethod
+    def _check_run_id(cls, value: str) -> str:
+        return _check_name(value, "my_run")
+
+
+class DashboardConfig(_Section):
+    """The live web dashboard (page, /api/status, /metrics) of a run, from its signed DHT records."""
+
+    initial_peers: list[str] = Field(default_factory=list, description="multiaddrs of live peers")
+    run_id: str = Field("", description="the run to show")
+    host: str = Field("127.0.0.1", description="address to listen on (0.0.0.0: every interface)")
+    port: int = Field(8080, ge=0, le=65535, description="TCP port of the page (0: a free one)")
+    interval: float = Field(1.0, gt=0.0, description="seconds between two reads of the records")
+    history: int = Field(1000, ge=2, description="points kept in memory per island and for the swarm series")
+    departed_keep: float = Field(60.0, ge=0.0, description="seconds a departed island stays listed (greyed out)")
     join_timeout: float = Field(30.0, gt=0.0, description="seconds to keep trying to reach the peers")
 
     @field_validator("run_id")

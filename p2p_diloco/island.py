@@ -26,6 +26,7 @@ from p2p_diloco import transport
 from p2p_diloco.config import PeerConfig
 from p2p_diloco.errors import ConfigError, FingerprintMismatch, Interrupted
 from p2p_diloco.events import EventLog
+from p2p_diloco.explog import ExperimentLog
 from p2p_diloco.fragments import balanced_layout
 from p2p_diloco.learner import Learner
 from p2p_diloco.model import build_model, count_parameters, resolve_spec, run_fingerprint
@@ -254,6 +255,7 @@ class Island:
         self.dht = None
         self.syncer: Optional[Syncer] = None
         self.reporter: Optional[Reporter] = None
+        self.explog: Optional[ExperimentLog] = None
         self.status_line: Optional[StatusLine] = None
         self.peer_id, self.maddrs = "", []
 
@@ -303,8 +305,11 @@ class Island:
                 self.syncer.create_averagers(self.dht)  # processes forked from the main thread
             finally:
                 self.stop.install()  # hivemind's averager turned SIGINT off in this process
+            self.explog = ExperimentLog(run_id=config.run_id, island=config.island, config=config.model_dump(),
+                                        wandb_project=config.wandb_project, wandb_mode=config.wandb_mode,
+                                        tensorboard_dir=config.tensorboard_dir)
             self.status_line = StatusLine()
-            self.reporter = Reporter(board, self._record, period=config.progress_period, ttl=config.progress_ttl,
+            self.reporter = Reporter(board, self._published_record, period=config.progress_period, ttl=config.progress_ttl,
                                      fingerprint=self.fingerprint, island=config.island, show=self._show,
                                      health=self._health, on_failure=self.stop.event.set,
                                      reconnect=lambda peers: transport.reconnect_peers(self.dht, peers),
@@ -420,6 +425,8 @@ class Island:
                         if self._writing is not None:
                             _quietly(self._writing.result, "waiting for the periodic checkpoint")
                         _quietly(lambda: self._save(self._capture()), "the final checkpoint")
+                if self.explog is not None:  # the final figures (after the last eval)
+                    _quietly(lambda: self.explog.log(self._record("stopping")), "logging the final metrics")
                 try:
                     summary = make_summary(self, stop_reason)
                     if self.config.summary_json:
@@ -430,6 +437,8 @@ class Island:
             _quietly(reporter.stop, "stopping the reporter")
             if self.dht.is_alive():
                 _quietly(reporter.board.withdraw, "withdrawing the progress record")
+        if self.explog is not None:
+            _quietly(self.explog.close, "closing the experiment log")
         if self.status_line is not None:
             _quietly(self.status_line.close, "closing the status line")
         _quietly(lambda: self.events({"event": "stop", "reason": stop_reason}), "logging the stop")
@@ -472,6 +481,12 @@ class Island:
             goodput=float(min(1.0, stats.inner_time / max(1e-9, time.time() - self.launched))),
             started=float(stats.first_step_start), time=time.time(),
         )
+
+    def _published_record(self, state: str) -> IslandProgress:
+        """The record the reporter publishes, also logged to W&B / TensorBoard when asked for."""
+        record = self._record(state)
+        self.explog.log(record)
+        return record
 
     def _show(self, others: list[IslandProgress], tick: int) -> None:
         stats, sync = self.learner.stats, self.syncer.stats

@@ -126,6 +126,8 @@ class LocalSwarm:
         self.env = os.environ.copy() | {"PYTHONUNBUFFERED": "1", "P2P_DILOCO_EXIT_WITH_PARENT": "1"} | (env or {})
         self.bootstrap: Optional[Managed] = None
         self.initial_peers: list[str] = []
+        self.dashboard_url = ""
+        self.dashboard: Optional[Managed] = None
         self.islands: dict[str, Managed] = {}
 
     def _spawn(self, name: str, args: Sequence[str], *, stdout=None, prefix: Sequence[str] = (),
@@ -141,7 +143,8 @@ class LocalSwarm:
         return Managed(name, popen, log_path)
 
     def start_bootstrap(self, *extra: str, timeout: float = 60.0) -> list[str]:
-        """Start the bootstrap node and return its INITIAL_PEERS (read from its first stdout line).
+        """Start the bootstrap node and return its INITIAL_PEERS (read from its first stdout line); with
+        ``--dashboard-port`` in ``extra``, its dashboard's URL is then :attr:`dashboard_url`.
 
         :raises RuntimeError: if it exits or prints nothing within ``timeout`` seconds
         """
@@ -155,7 +158,27 @@ class LocalSwarm:
         if not line.startswith("INITIAL_PEERS="):
             raise RuntimeError(f"bootstrap did not start: {line!r}; see {self.bootstrap.log_path}")
         self.initial_peers = line.split("=", 1)[1].split()
+        if "--dashboard-port" in extra:  # its second line
+            line = read_line(self.bootstrap.popen, timeout)
+            if not line.startswith("DASHBOARD="):
+                raise RuntimeError(f"the bootstrap's dashboard did not start: {line!r}; see {self.bootstrap.log_path}")
+            self.dashboard_url = line.split("=", 1)[1]
         return self.initial_peers
+
+    def start_dashboard(self, *extra: str, timeout: float = 60.0) -> str:
+        """Start ``p2p-diloco dashboard`` on 127.0.0.1 (a free port unless ``extra`` names one) for the
+        swarm's run and return its URL (read from its first stdout line).
+
+        :raises RuntimeError: if it exits or prints nothing within ``timeout`` seconds
+        """
+        self.dashboard = self._spawn(
+            "dashboard", ["dashboard", "--initial-peers", *self.initial_peers, "--run-id", self.run_id,
+                          "--port", "0", *extra], stdout=subprocess.PIPE,
+        )
+        line = read_line(self.dashboard.popen, timeout)
+        if not line.startswith("DASHBOARD="):
+            raise RuntimeError(f"the dashboard did not start: {line!r}; see {self.dashboard.log_path}")
+        return line.split("=", 1)[1]
 
     def start_island(self, name: str, *extra: str, initial_peers: Optional[Sequence[str]] = None,
                      host: Optional[str] = None, prefix: Sequence[str] = ()) -> Managed:
@@ -189,7 +212,7 @@ class LocalSwarm:
             managed.remember_tree()
 
     def all(self) -> list[Managed]:
-        return list(self.islands.values()) + ([self.bootstrap] if self.bootstrap else [])
+        return list(self.islands.values()) + [m for m in (self.dashboard, self.bootstrap) if m is not None]
 
     def wait_islands(self, timeout: float) -> dict[str, Optional[int]]:
         """Wait for every island to exit on its own; returns exit codes (None: still running)."""
@@ -202,7 +225,8 @@ class LocalSwarm:
         return {name: island.popen.poll() for name, island in self.islands.items()}
 
     def close(self, timeout: float = 20.0) -> list[int]:
-        """Stop every island, then the bootstrap node; returns PIDs that had to be force-killed."""
+        """Stop every island, then the dashboard and the bootstrap node; returns PIDs that had to be
+        force-killed."""
         self.remember_trees()
         leftovers = []
         for island in self.islands.values():
@@ -211,9 +235,10 @@ class LocalSwarm:
         for island in self.islands.values():
             island.stop(timeout, signal_first=False)
             leftovers += island.reap_leftovers()
-        if self.bootstrap is not None:
-            self.bootstrap.stop(timeout)
-            leftovers += self.bootstrap.reap_leftovers()
+        for managed in (self.dashboard, self.bootstrap):
+            if managed is not None:
+                managed.stop(timeout)
+                leftovers += managed.reap_leftovers()
         return leftovers
 
 

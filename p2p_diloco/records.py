@@ -126,3 +126,16 @@ class ProgressBoard:
             except Exception:
                 logger.debug("skipping a malformed progress record")
         return sorted(records, key=lambda r: r.island)
+
+
+METRICS = ("inner_step", "tokens", "tokens_per_second", "loss", "eval_loss", "rounds_ok", "rounds_failed",
+           "rounds_rejected", "utilization", "goodput", "bytes_sent", "bytes_received", "bytes_per_token")
+
+
+def island_metrics(record: IslandProgress) -> dict[str, float]:
+    """A record's numeric metrics under the names that the dashboard (``/api/status``), ``/metrics``
+    (prefixed ``p2p_diloco_island_``), Weights & Biases and TensorBoard all use. Units: tokens,
+    tokens/s, nats (loss), bytes, fractions. Metrics without a value yet (no eval) are left out."""
+    values = {name: getattr(record, name, None) for name in METRICS}
+    values["bytes_per_token"] = record.bytes_sent / record.tokens if record.tokens else None
+    return {name: float(value) for name, value in values.items() if value is not None}

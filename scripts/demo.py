@@ -1,8 +1,8 @@
 #!/usr/bin/env python3
 """The main job: a local swarm on 127.0.0.1 training on the embedded Shakespeare corpus.
 
-Starts a bootstrap node and N islands, shows the swarm's status (from the islands' DHT records)
-while they train, then prints a per-island summary and writes, under runs/<timestamp>/, each island's
+Starts a bootstrap node and N islands, serves the live dashboard (its URL is printed) and shows the
+swarm's status (from the islands' DHT records) while they train, then prints a per-island summary and writes, under runs/<timestamp>/, each island's
 summary and event log, the status history and a loss-vs-tokens PNG. Ctrl+C or the end of the run stops
 every process it started. Run it through ./scripts/demo.sh, which prepares .venv first.
 """
@@ -23,7 +23,8 @@ from rich.console import Console
 from rich.table import Table
 
 from p2p_diloco import transport
-from p2p_diloco.errors import UserError
+from p2p_diloco.dashboard import Dashboard
+from p2p_diloco.errors import NetworkError, UserError
 from p2p_diloco.localswarm import LOOPBACK, LocalSwarm
 from p2p_diloco.plots import plot_loss_vs_tokens
 from p2p_diloco.procs import install_child_hooks
@@ -46,11 +47,15 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--threads", type=int, default=1, help="torch threads per island (default: 1)")
     parser.add_argument("--eval-every", type=float, default=60.0, help="seconds between evals (default: 60)")
     parser.add_argument("--device", default="cpu", choices=["auto", "cpu", "cuda"], help="island device (default: cpu)")
+    parser.add_argument("--dashboard-port", type=int, default=8080,
+                        help="port of the live dashboard on 127.0.0.1 (default: 8080, a free one if taken; 0: a free one)")
     args = parser.parse_args(argv)
     if not 1 <= args.islands <= 16:
         parser.error("--islands must be between 1 and 16")
     if args.minutes <= 0:
         parser.error("--minutes must be positive")
+    if not 0 <= args.dashboard_port <= 65535:
+        parser.error("--dashboard-port must be between 0 and 65535")
     return args
 
 
@@ -95,6 +100,19 @@ def _fmt(value) -> str:
     return "-" if value is None else f"{value:.3f}"
 
 
+def start_dashboard(dht, args: argparse.Namespace, public_key: bytes, console: Console) -> Dashboard:
+    """The live dashboard on the observer's DHT, on ``--dashboard-port`` or else on a free port."""
+    try:
+        dashboard = Dashboard(dht, args.run_id, public_key, port=args.dashboard_port)
+    except NetworkError:
+        console.print(f"[yellow]port {args.dashboard_port} is taken: the dashboard takes a free one[/yellow]")
+        dashboard = Dashboard(dht, args.run_id, public_key, port=0)
+    dashboard.start()
+    console.print(f"[bold]dashboard: {dashboard.url}[/bold] (JSON: {dashboard.url}api/status, "
+                  f"Prometheus: {dashboard.url}metrics)")
+    return dashboard
+
+
 def main(argv=None) -> int:
     """Run the demo; returns the exit code (0: every island finished cleanly, 130: interrupted)."""
     args = parse_args(argv)
@@ -122,7 +140,7 @@ def main(argv=None) -> int:
     swarm = LocalSwarm(out, run_id=args.run_id)
     signal.signal(signal.SIGINT, on_signal)
     signal.signal(signal.SIGTERM, on_signal)
-    observer = None
+    observer = dashboard = None
     history = (out / "status_history.jsonl").open("w", encoding="utf-8")
     try:
         try:
@@ -143,6 +161,11 @@ def main(argv=None) -> int:
             return 1
         signal.signal(signal.SIGINT, on_signal)  # hivemind may have reset it
         board = ProgressBoard(observer, args.run_id, public_key)
+        try:
+            dashboard = start_dashboard(observer, args, public_key, console)
+        except UserError as e:
+            console.print(f"[red]error: {e}[/red]")
+            return e.exit_code
         deadline = time.monotonic() + args.minutes * 60 + STARTUP_ALLOWANCE
         live = None
         if console.is_terminal:
@@ -171,6 +194,8 @@ def main(argv=None) -> int:
             live.stop()
     finally:
         history.close()
+        if dashboard is not None:
+            dashboard.close()
         leftovers = swarm.close()
         if observer is not None:
             observer.shutdown()

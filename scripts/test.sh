@@ -1,9 +1,11 @@
 #!/usr/bin/env bash
-# Create/update .venv with the test and bench extras (the benchmarks' smoke tests run torchft) and run
-# the whole suite (unit + integration on 127.0.0.1).
+# Create/update .venv with the test, bench, wandb and tensorboard extras (the benchmarks' smoke tests run
+# torchft; the logging tests write offline W&B runs and TensorBoard files), install Debian's chromium for
+# the dashboard's browser test, and run the whole suite (unit + integration on 127.0.0.1).
 # Extra arguments go to pytest, e.g. ./scripts/test.sh tests/unit -q
 set -euo pipefail
 cd "$(dirname "$0")/.."
-./scripts/setup_venv.sh test,bench
+./scripts/setup_venv.sh test,bench,wandb,tensorboard
+./scripts/setup_chromium.sh  # the dashboard's browser test drives Debian's chromium
 export P2P_DILOCO_CACHE="${P2P_DILOCO_CACHE:-$PWD/.cache/p2p_diloco}"
 exec .venv/bin/python -m pytest "$@"

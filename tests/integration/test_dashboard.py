@@ -1,0 +1,230 @@
+"""The live dashboard against a real swarm on 127.0.0.1: a bootstrap node serving it
+(``--dashboard-port 0``), a standalone ``p2p-diloco dashboard``, and two islands, one of which also
+logs to W&B (offline) and TensorBoard. JSON fields, Prometheus parsing, a headless Chromium page,
+then a SIGKILLed island departing and a cleanly stopped one withdrawn.
+
+The tests run in order against one swarm (module fixture), as a user's session would.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import struct
+import time
+import urllib.request
+from pathlib import Path
+
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from p2p_diloco.localswarm import LocalSwarm
+from p2p_diloco.records import METRICS
+from tests.conftest import ROOT
+from tests.integration.helpers import FAST, wait_for
+
+pytestmark = pytest.mark.integration
+ISLANDS = ["island-0", "island-1"]
+CHROMIUM = os.environ.get("P2P_DILOCO_CHROMIUM", "/usr/bin/chromium")
+ARTIFACTS = Path(os.environ.get("P2P_DILOCO_ARTIFACTS", ROOT / "runs" / "test-artifacts"))
+# what the page draws each island's series with (static/dashboard.js, PALETTE), as RGB
+COLORS = {"island-0": (0x1F, 0x77, 0xB4), "island-1": (0xD6, 0x27, 0x28)}
+
+
+@pytest.fixture(scope="module")
+def swarm(tmp_path_factory):
+    workdir = tmp_path_factory.mktemp("dashboard")
+    swarm = LocalSwarm(workdir, run_id="dash", env={"WANDB_DIR": str(workdir), "WANDB_SILENT": "true"})
+    swarm.start_bootstrap("--dashboard-port", "0")
+    logging = ["--wandb-project", "itest", "--wandb-mode", "offline", "--tensorboard-dir", str(workdir / "tb")]
+    for index, name in enumerate(ISLANDS):
+        swarm.start_island(name, *FAST, "--data-shard-index", str(index), *(logging if index == 0 else []))
+    swarm.standalone_url = swarm.start_dashboard("--departed-keep", "8", "--interval", "0.5")
+    yield swarm
+    assert not swarm.close(), "processes had to be force-killed"
+
+
+def _json(url: str) -> dict:
+    with urllib.request.urlopen(url + "api/status", timeout=10) as response:
+        return json.loads(response.read())
+
+
+def _metrics(url: str) -> dict:
+    with urllib.request.urlopen(url + "metrics", timeout=10) as response:
+        assert response.headers["Content-Type"].startswith("text/plain; version=")
+        text = response.read().decode()
+    return {family.name: family for family in text_string_to_metric_families(text)}
+
+
+def _training(url: str) -> dict | None:
+    status = _json(url)
+    islands = {i["island"]: i for i in status["islands"] if i["state"] == "training" and i["inner_step"] > 0}
+    return status if set(islands) == set(ISLANDS) else None
+
+
+def test_api_status_shows_every_live_island_with_its_fields(swarm):
+    status = wait_for(lambda: _training(swarm.dashboard_url), timeout=120, message="2 training islands")
+    for island in status["islands"]:
+        for key in ("island", "device", "state", "inner_step", "tokens", "tokens_per_second", "loss", "eval_loss",
+                    "fragment_versions", "rounds_ok", "rounds_failed", "utilization", "bytes_per_token",
+                    "last_seen_s"):
+            assert key in island, key
+        assert island["departed"] is False and island["device"] == "cpu" and island["tokens"] > 0
+    totals = status["totals"]
+    assert totals["islands_alive"] == 2 and totals["tokens_so_far"] >= sum(i["tokens"] for i in status["islands"])
+    assert totals["tokens_per_second"] > 0 and 0 < totals["goodput"] <= 1
+    history = status["history"]
+    assert set(history["islands"]) == set(ISLANDS)
+    for series in history["islands"].values():
+        assert len(series["tokens"]) == len(series["loss"]) == len(series["eval_loss"]) >= 1
+        assert series["tokens"] == sorted(set(series["tokens"]))  # the charts' x increases
+    assert len(history["swarm"]["time"]) == len(history["swarm"]["tokens_per_second"]) >= 1
+    # the standalone dashboard reads the same records
+    assert wait_for(lambda: _training(swarm.standalone_url), timeout=60, message="the standalone dashboard")
+
+
+def test_metrics_parse_with_prometheus_clients_parser(swarm):
+    families = _metrics(swarm.dashboard_url)
+    status = _json(swarm.dashboard_url)
+    assert {s.labels["island"]: s.value for s in families["p2p_diloco_island_up"].samples} == \
+        {name: 1.0 for name in ISLANDS}
+    for name in METRICS:
+        if name != "eval_loss" or all(i["eval_loss"] is not None for i in status["islands"]):
+            assert {s.labels["island"] for s in families[f"p2p_diloco_island_{name}"].samples} == set(ISLANDS), name
+    assert families["p2p_diloco_swarm_islands_alive"].samples[0].value == 2.0
+    assert families["p2p_diloco_swarm_tokens"].samples[0].value > 0
+    assert families["p2p_diloco_swarm_tokens_per_second"].samples[0].labels == {"run_id": "dash"}
+
+
+def _browser():
+    from playwright.sync_api import sync_playwright
+
+    assert os.access(CHROMIUM, os.X_OK), (
+        f"{CHROMIUM} is missing: run scripts/setup_chromium.sh (Debian's chromium) or set P2P_DILOCO_CHROMIUM")
+    playwright = sync_playwright().start()
+    browser = playwright.chromium.launch(
+        executable_path=CHROMIUM, headless=True,
+        args=["--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run", "--disable-background-networking",
+              "--disable-component-update", "--disable-sync"],
+    )
+    return playwright, browser
+
+
+# pixels of a colour (within a small tolerance, for antialiasing) on a chart's canvas
+COUNT_COLOR = """([id, rgb]) => {
+  const c = document.querySelector(`#${id} canvas`);
+  const d = c.getContext('2d').getImageData(0, 0, c.width, c.height).data;
+  let n = 0;
+  for (let i = 0; i < d.length; i += 4) {
+    if (d[i + 3] > 200 && Math.abs(d[i] - rgb[0]) < 30 && Math.abs(d[i + 1] - rgb[1]) < 30
+        && Math.abs(d[i + 2] - rgb[2]) < 30) n++;
+  }
+  return n;
+}"""
+ROWS = "[...document.querySelectorAll('#islands tbody tr')].map(r => [r.dataset.island, r.className])"
+STEPS = "Object.fromEntries(window.dashboard.status.islands.map(i => [i.island, i.inner_step]))"
+
+
+def test_page_renders_every_island_and_both_charts_and_updates_live(swarm):
+    ARTIFACTS.mkdir(parents=True, exist_ok=True)
+    playwright, browser = _browser()
+    try:
+        page = browser.new_page(viewport={"width": 1400, "height": 1000})
+        errors = []
+        page.on("pageerror", lambda e: errors.append(str(e)))
+        page.goto(swarm.dashboard_url)
+        page.wait_for_function("window.dashboard && window.dashboard.updates >= 2", timeout=30_000)
+        assert sorted(page.evaluate(ROWS)) == [[name, ""] for name in ISLANDS]
+        for name, rgb in COLORS.items():  # each island's loss curve is drawn in its colour
+            assert page.evaluate(COUNT_COLOR, ["chart-loss", list(rgb)]) > 50, name
+        assert page.evaluate(COUNT_COLOR, ["chart-speed", [0x1F, 0x77, 0xB4]]) > 50
+        assert page.text_content("#t-islands") == "2"
+        # a live update: the inner steps shown change without a reload
+        before, started = page.evaluate(STEPS), time.monotonic()
+        page.wait_for_function(f"(() => {{ const b = {json.dumps(before)}; const s = {STEPS}; "
+                               "return Object.keys(b).every(k => s[k] > b[k]); })()", timeout=30_000)
+        seconds = time.monotonic() - started
+        page.screenshot(path=str(ARTIFACTS / "dashboard.png"), full_page=True)
+        (ARTIFACTS / "dashboard_update.json").write_text(json.dumps({"seconds_to_new_steps": round(seconds, 2)}))
+        print(f"the page showed new inner steps {seconds:.1f} s later; screenshot in {ARTIFACTS}/dashboard.png")
+        assert not errors, errors
+    finally:
+        browser.close()
+        playwright.stop()
+
+
+def test_killed_island_is_departed_then_dropped(swarm):
+    swarm.islands["island-1"].signal(signal.SIGKILL)
+    killed = time.monotonic()
+
+    def departed(url):
+        island = next((i for i in _json(url)["islands"] if i["island"] == "island-1"), None)
+        return island is not None and island["departed"]
+
+    wait_for(lambda: departed(swarm.dashboard_url), timeout=30, message="island-1 departed")
+    print(f"island-1 shown as departed {time.monotonic() - killed:.1f} s after SIGKILL (record TTL 6 s)")
+    up = {s.labels["island"]: s.value for s in _metrics(swarm.dashboard_url)["p2p_diloco_island_up"].samples}
+    assert up == {"island-0": 1.0, "island-1": 0.0}
+    assert _json(swarm.dashboard_url)["totals"]["islands_alive"] == 1
+    playwright, browser = _browser()
+    try:
+        page = browser.new_page()
+        page.goto(swarm.dashboard_url)
+        page.wait_for_function("window.dashboard && window.dashboard.updates >= 1", timeout=30_000)
+        assert sorted(page.evaluate(ROWS)) == [["island-0", ""], ["island-1", "departed"]]
+        page.screenshot(path=str(ARTIFACTS / "dashboard_departed.png"), full_page=True)
+    finally:
+        browser.close()
+        playwright.stop()
+    # the standalone dashboard keeps departed islands 8 s, then drops them
+    wait_for(lambda: [i["island"] for i in _json(swarm.standalone_url)["islands"]] == ["island-0"], timeout=40,
+             message="island-1 dropped from the standalone dashboard")
+
+
+def _wandb_history(folder: Path) -> list[dict]:
+    """The history rows of an offline W&B run file (``run-*.wandb``: LevelDB-style log records of 32 KiB
+    blocks, each holding a ``wandb_internal_pb2.Record``)."""
+    from wandb.proto import wandb_internal_pb2
+
+    (path,) = folder.glob("wandb/offline-run-*/run-*.wandb")
+    data, pos, chunks, rows = path.read_bytes(), 7, b"", []
+    while pos + 7 <= len(data):
+        left = 32768 - pos % 32768
+        if left < 7:
+            pos += left
+            continue
+        _, length, kind = struct.unpack("<IHB", data[pos:pos + 7])
+        pos += 7
+        chunks += data[pos:pos + length]
+        pos += length
+        if kind in (1, 4):  # a full record, or the last piece of one
+            record = wandb_internal_pb2.Record()
+            record.ParseFromString(chunks)
+            chunks = b""
+            if record.WhichOneof("record_type") == "history":
+                rows.append({item.key or "/".join(item.nested_key): json.loads(item.value_json)
+                             for item in record.history.item})
+    return rows
+
+
+def test_clean_stop_withdraws_the_record_and_leaves_wandb_and_tensorboard_logs(swarm):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    island = swarm.islands["island-0"]
+    island.signal(signal.SIGTERM)
+    island.popen.wait(60)
+    assert island.popen.returncode == 0
+    # withdrawn at exit: departed at once, not after the record's TTL
+    wait_for(lambda: all(i["departed"] for i in _json(swarm.dashboard_url)["islands"]), timeout=5,
+             interval=0.5, message="island-0 departed")
+    summary = swarm.summary("island-0")
+    rows = _wandb_history(swarm.workdir)
+    logged = {key for row in rows for key in row if not key.startswith("_")}
+    assert logged == set(METRICS)  # the dashboard's names, eval loss included
+    assert rows[-1]["tokens"] == summary["tokens"] and rows[-1]["inner_step"] == summary["inner_steps"]
+    assert [row["_step"] for row in rows] == sorted(row["_step"] for row in rows)
+    events = EventAccumulator(str(swarm.workdir / "tb" / "dash" / "island-0"))
+    events.Reload()
+    assert set(events.Tags()["scalars"]) == set(METRICS)
+    assert events.Scalars("tokens")[-1].value == summary["tokens"]
