@@ -22,7 +22,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from p2p_diloco.localswarm import LocalSwarm
 from p2p_diloco.records import METRICS
 from tests.conftest import ROOT
-from tests.integration.helpers import FAST, wait_for
+from tests.integration.helpers import FAST, cli, wait_for
 
 pytestmark = pytest.mark.integration
 ISLANDS = ["island-0", "island-1"]
@@ -95,6 +95,13 @@ def test_metrics_parse_with_prometheus_clients_parser(swarm):
     assert families["p2p_diloco_swarm_islands_alive"].samples[0].value == 2.0
     assert families["p2p_diloco_swarm_tokens"].samples[0].value > 0
     assert families["p2p_diloco_swarm_tokens_per_second"].samples[0].labels == {"run_id": "dash"}
+
+
+def test_a_taken_port_is_a_clear_error(swarm):
+    port = swarm.standalone_url.rsplit(":", 1)[1].strip("/")
+    done = cli("dashboard", "--initial-peers", *swarm.initial_peers, "--run-id", "dash", "--port", port, timeout=60)
+    assert done.returncode == 3 and f"cannot listen on 127.0.0.1:{port}" in done.stderr, done.stderr
+    assert "Traceback" not in done.stderr
 
 
 def _browser():
