@@ -257,40 +257,37 @@ class BootstrapConfig(_Section):
         return _check_name(value, "my_run") if value else value
 
 
-class StatusConfig(_Section):
-    """The observer: reads the islands' signed progress records from the DHT."""
+class _ObserverConfig(_Section):
+    """What every observer of a run needs: a live peer to join through and the run's name."""
 
     initial_peers: list[str] = Field(default_factory=list, description="multiaddrs of live peers")
     run_id: str = Field("", description="the run to show")
+    join_timeout: float = Field(30.0, gt=0.0, description="seconds to keep trying to reach the peers")
+
+    @field_validator("run_id")
+    @classmethod
+    def _check_run_id(cls, value: str) -> str:
+        return _check_name(value, "my_run")
+
+
+class StatusConfig(_ObserverConfig):
+    """The observer: reads the islands' signed progress records from the DHT."""
+
     json_output: bool = Field(
         False, description="print machine-readable JSON instead of a table", json_schema_extra={"flags": ["--json"]}
     )
     watch: bool = Field(False, description="refresh until Ctrl+C")
     interval: float = Field(3.0, gt=0.0, description="seconds between refreshes with --watch")
-    join_timeout: float = Field(30.0, gt=0.0, description="seconds to keep trying to reach the peers")
-
-    @field_validator("run_id")
-    @classmethod
-    def _check_run_id(cls, value: str) -> str:
-        return _check_name(value, "my_run")
 
 
-class DashboardConfig(_Section):
+class DashboardConfig(_ObserverConfig):
     """The live web dashboard (page, /api/status, /metrics) of a run, from its signed DHT records."""
 
-    initial_peers: list[str] = Field(default_factory=list, description="multiaddrs of live peers")
-    run_id: str = Field("", description="the run to show")
     host: str = Field("127.0.0.1", description="address to listen on (0.0.0.0: every interface)")
     port: int = Field(8080, ge=0, le=65535, description="TCP port of the page (0: a free one)")
     interval: float = Field(1.0, gt=0.0, description="seconds between two reads of the records")
     history: int = Field(1000, ge=2, description="points kept in memory per island and for the swarm series")
     departed_keep: float = Field(60.0, ge=0.0, description="seconds a departed island stays listed (greyed out)")
-    join_timeout: float = Field(30.0, gt=0.0, description="seconds to keep trying to reach the peers")
-
-    @field_validator("run_id")
-    @classmethod
-    def _check_run_id(cls, value: str) -> str:
-        return _check_name(value, "my_run")
 
 
 # --------------------------------------------------------------------------------------------

@@ -24,17 +24,17 @@ import time
 from collections import deque
 from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-from typing import Callable, Optional
+from typing import Optional
 
 from prometheus_client.core import CollectorRegistry, GaugeMetricFamily
 from prometheus_client.exposition import CONTENT_TYPE_LATEST, generate_latest
 
-from p2p_diloco import assets, transport
+from p2p_diloco import assets
 from p2p_diloco.config import DashboardConfig
-from p2p_diloco.errors import ConfigError, NetworkError
+from p2p_diloco.errors import NetworkError
 from p2p_diloco.procs import StopSignal
-from p2p_diloco.records import IslandProgress, ProgressBoard, island_metrics, make_validators
-from p2p_diloco.status import swarm_snapshot
+from p2p_diloco.records import IslandProgress, ProgressBoard, island_metrics
+from p2p_diloco.status import check_initial_peers, join_as_observer, swarm_snapshot
 
 logger = logging.getLogger(__name__)
 
@@ -276,27 +276,21 @@ class Dashboard:
             thread.join(timeout=self.board.timeout + self.interval)
 
 
-def run_dashboard(config: DashboardConfig, stop: StopSignal, announce: Callable[[str], None] = lambda line: print(line, flush=True)) -> None:
+def run_dashboard(config: DashboardConfig, stop: StopSignal) -> None:
     """``p2p-diloco dashboard``: join the swarm as a client, serve until SIGINT/SIGTERM. Its first
     stdout line is ``DASHBOARD=<url>``.
 
     :raises UserError: no or bad --initial-peers, unreachable peers, the port is taken
     """
-    if not config.initial_peers:
-        raise ConfigError("--initial-peers is required: the address of any live peer (e.g. the bootstrap node)")
-    peers = transport.parse_maddrs(config.initial_peers, what="--initial-peers", need_peer_id=True)
-    assets.require()  # before joining the swarm: say it at once
-    validators, public_key = make_validators(config.run_id)
-    dht = transport.start_dht(
-        initial_peers=peers, host_maddrs=["/ip4/127.0.0.1/tcp/0"], client_mode=True,
-        record_validators=validators, join_timeout=config.join_timeout, stop_event=stop.event,
-    )
+    check_initial_peers(config)
+    assets.require()  # before joining the swarm: say both at once
+    dht, public_key = join_as_observer(config, stop)
     try:
         dashboard = Dashboard(dht, config.run_id, public_key, host=config.host, port=config.port,
                               interval=config.interval, points=config.history, departed_keep=config.departed_keep)
         dashboard.start()
         try:
-            announce(f"DASHBOARD={dashboard.url}")
+            print(f"DASHBOARD={dashboard.url}", flush=True)
             logger.info("dashboard of run %s at %s (metrics at %smetrics)", config.run_id, dashboard.url, dashboard.url)
             stop.event.wait()
         finally:

@@ -66,16 +66,33 @@ def render_table(snapshot: dict):
     return table
 
 
-def run_status(config: StatusConfig, stop: StopSignal) -> None:
-    """Print the run's status once, or refresh it every ``interval`` seconds with ``--watch``."""
+def check_initial_peers(config) -> list:
+    """The observer's parsed ``--initial-peers``.
+
+    :raises ConfigError: none given, or a malformed multiaddr"""
     if not config.initial_peers:
         raise ConfigError("--initial-peers is required: the address of any live peer (e.g. the bootstrap node)")
-    peers = transport.parse_maddrs(config.initial_peers, what="--initial-peers", need_peer_id=True)
+    return transport.parse_maddrs(config.initial_peers, what="--initial-peers", need_peer_id=True)
+
+
+def join_as_observer(config, stop: StopSignal) -> tuple:
+    """Start a client-mode DHT (it stores nothing, serves nothing) that validates the run's records;
+    returns (dht, this process's public key). ``config``: a Status or Dashboard config.
+
+    :raises UserError: no or bad --initial-peers, unreachable peers, an interruption while joining
+    """
+    peers = check_initial_peers(config)
     validators, public_key = make_validators(config.run_id)
     dht = transport.start_dht(
         initial_peers=peers, host_maddrs=["/ip4/127.0.0.1/tcp/0"], client_mode=True,
         record_validators=validators, join_timeout=config.join_timeout, stop_event=stop.event,
     )
+    return dht, public_key
+
+
+def run_status(config: StatusConfig, stop: StopSignal) -> None:
+    """Print the run's status once, or refresh it every ``interval`` seconds with ``--watch``."""
+    dht, public_key = join_as_observer(config, stop)
     try:
         board = ProgressBoard(dht, config.run_id, public_key)
         if config.watch and not config.json_output:
