@@ -276,12 +276,20 @@ class Island:
             signal.signal(signal.SIGUSR2, self._toggle_corrupt)
             logger.warning("testing mode: SIGUSR2 makes this island send %s pseudo-gradients",
                            config.debug_corrupt_outer)
+        # before joining: a W&B or TensorBoard mistake shows at once
+        self.explog = ExperimentLog(run_id=config.run_id, island=config.island, config=config.model_dump(),
+                                    wandb_project=config.wandb_project, wandb_mode=config.wandb_mode,
+                                    tensorboard_dir=config.tensorboard_dir)
         validators, public_key = make_validators(config.run_id)
-        self.dht = transport.start_dht(
-            initial_peers=self.peers, host_maddrs=config.host_maddrs, announce_maddrs=config.announce_maddrs,
-            identity_path=self.identity, record_validators=validators, join_timeout=config.join_timeout,
-            stop_event=self.stop.event, wait_timeout=config.dht_wait_timeout,
-        )
+        try:
+            self.dht = transport.start_dht(
+                initial_peers=self.peers, host_maddrs=config.host_maddrs, announce_maddrs=config.announce_maddrs,
+                identity_path=self.identity, record_validators=validators, join_timeout=config.join_timeout,
+                stop_event=self.stop.event, wait_timeout=config.dht_wait_timeout,
+            )
+        except BaseException:
+            self.explog.close()
+            raise
         summary, stop_reason = None, "error"
         try:
             self.peer_id, self.maddrs = str(self.dht.peer_id), transport.visible_maddrs(self.dht)
@@ -305,9 +313,6 @@ class Island:
                 self.syncer.create_averagers(self.dht)  # processes forked from the main thread
             finally:
                 self.stop.install()  # hivemind's averager turned SIGINT off in this process
-            self.explog = ExperimentLog(run_id=config.run_id, island=config.island, config=config.model_dump(),
-                                        wandb_project=config.wandb_project, wandb_mode=config.wandb_mode,
-                                        tensorboard_dir=config.tensorboard_dir)
             self.status_line = StatusLine()
             self.reporter = Reporter(board, self._published_record, period=config.progress_period, ttl=config.progress_ttl,
                                      fingerprint=self.fingerprint, island=config.island, show=self._show,

@@ -19,6 +19,7 @@ from pathlib import Path
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
+from p2p_diloco import browser
 from p2p_diloco.localswarm import LocalSwarm
 from p2p_diloco.records import METRICS
 from tests.conftest import ROOT
@@ -26,10 +27,7 @@ from tests.integration.helpers import FAST, cli, wait_for
 
 pytestmark = pytest.mark.integration
 ISLANDS = ["island-0", "island-1"]
-CHROMIUM = os.environ.get("P2P_DILOCO_CHROMIUM", "/usr/bin/chromium")
 ARTIFACTS = Path(os.environ.get("P2P_DILOCO_ARTIFACTS", ROOT / "runs" / "test-artifacts"))
-# what the page draws each island's series with (static/dashboard.js, PALETTE), as RGB
-COLORS = {"island-0": (0x1F, 0x77, 0xB4), "island-1": (0xD6, 0x27, 0x28)}
 
 
 @pytest.fixture(scope="module")
@@ -104,61 +102,24 @@ def test_a_taken_port_is_a_clear_error(swarm):
     assert "Traceback" not in done.stderr
 
 
-def _browser():
-    from playwright.sync_api import sync_playwright
-
-    assert os.access(CHROMIUM, os.X_OK), (
-        f"{CHROMIUM} is missing: run scripts/setup_chromium.sh (Debian's chromium) or set P2P_DILOCO_CHROMIUM")
-    playwright = sync_playwright().start()
-    browser = playwright.chromium.launch(
-        executable_path=CHROMIUM, headless=True,
-        args=["--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run", "--disable-background-networking",
-              "--disable-component-update", "--disable-sync"],
-    )
-    return playwright, browser
-
-
-# pixels of a colour (within a small tolerance, for antialiasing) on a chart's canvas
-COUNT_COLOR = """([id, rgb]) => {
-  const c = document.querySelector(`#${id} canvas`);
-  const d = c.getContext('2d').getImageData(0, 0, c.width, c.height).data;
-  let n = 0;
-  for (let i = 0; i < d.length; i += 4) {
-    if (d[i + 3] > 200 && Math.abs(d[i] - rgb[0]) < 30 && Math.abs(d[i + 1] - rgb[1]) < 30
-        && Math.abs(d[i + 2] - rgb[2]) < 30) n++;
-  }
-  return n;
-}"""
-ROWS = "[...document.querySelectorAll('#islands tbody tr')].map(r => [r.dataset.island, r.className])"
-STEPS = "Object.fromEntries(window.dashboard.status.islands.map(i => [i.island, i.inner_step]))"
-
-
 def test_page_renders_every_island_and_both_charts_and_updates_live(swarm):
     ARTIFACTS.mkdir(parents=True, exist_ok=True)
-    playwright, browser = _browser()
-    try:
-        page = browser.new_page(viewport={"width": 1400, "height": 1000})
+    with browser.chromium() as page:
         errors = []
         page.on("pageerror", lambda e: errors.append(str(e)))
         page.goto(swarm.dashboard_url)
         page.wait_for_function("window.dashboard && window.dashboard.updates >= 2", timeout=30_000)
-        assert sorted(page.evaluate(ROWS)) == [[name, ""] for name in ISLANDS]
-        for name, rgb in COLORS.items():  # each island's loss curve is drawn in its colour
-            assert page.evaluate(COUNT_COLOR, ["chart-loss", list(rgb)]) > 50, name
-        assert page.evaluate(COUNT_COLOR, ["chart-speed", [0x1F, 0x77, 0xB4]]) > 50
+        assert sorted(browser.rows(page)) == [[name, ""] for name in ISLANDS]
+        for index, name in enumerate(ISLANDS):  # each island's loss curve is drawn in its colour
+            assert browser.color_pixels(page, "loss", browser.PALETTE[index]) > 50, name
+        assert browser.color_pixels(page, "speed", browser.PALETTE[0]) > 50
         assert page.text_content("#t-islands") == "2"
-        # a live update: the inner steps shown change without a reload
-        before, started = page.evaluate(STEPS), time.monotonic()
-        page.wait_for_function(f"(() => {{ const b = {json.dumps(before)}; const s = {STEPS}; "
-                               "return Object.keys(b).every(k => s[k] > b[k]); })()", timeout=30_000)
+        started = time.monotonic()
+        browser.wait_for_new_steps(page)  # a live update: new inner steps without a reload
         seconds = time.monotonic() - started
         page.screenshot(path=str(ARTIFACTS / "dashboard.png"), full_page=True)
-        (ARTIFACTS / "dashboard_update.json").write_text(json.dumps({"seconds_to_new_steps": round(seconds, 2)}))
         print(f"the page showed new inner steps {seconds:.1f} s later; screenshot in {ARTIFACTS}/dashboard.png")
         assert not errors, errors
-    finally:
-        browser.close()
-        playwright.stop()
 
 
 def test_killed_island_is_departed_then_dropped(swarm):
@@ -174,16 +135,11 @@ def test_killed_island_is_departed_then_dropped(swarm):
     up = {s.labels["island"]: s.value for s in _metrics(swarm.dashboard_url)["p2p_diloco_island_up"].samples}
     assert up == {"island-0": 1.0, "island-1": 0.0}
     assert _json(swarm.dashboard_url)["totals"]["islands_alive"] == 1
-    playwright, browser = _browser()
-    try:
-        page = browser.new_page()
+    with browser.chromium() as page:
         page.goto(swarm.dashboard_url)
         page.wait_for_function("window.dashboard && window.dashboard.updates >= 1", timeout=30_000)
-        assert sorted(page.evaluate(ROWS)) == [["island-0", ""], ["island-1", "departed"]]
+        assert sorted(browser.rows(page)) == [["island-0", ""], ["island-1", "departed"]]
         page.screenshot(path=str(ARTIFACTS / "dashboard_departed.png"), full_page=True)
-    finally:
-        browser.close()
-        playwright.stop()
     # the standalone dashboard keeps departed islands 8 s, then drops them
     wait_for(lambda: [i["island"] for i in _json(swarm.standalone_url)["islands"]] == ["island-0"], timeout=40,
              message="island-1 dropped from the standalone dashboard")

@@ -172,3 +172,13 @@ def test_fetch_checks_the_pinned_integrity(tmp_path, monkeypatch):
     assert not (tmp_path / "other" / "x.js").exists()
     with pytest.raises(ConfigError, match="cannot read"):
         assets.fetch(str(tmp_path / "absent.tgz"), vendor)
+
+
+def test_wandb_online_without_an_api_key_is_a_config_error_that_names_offline_mode(tmp_path, monkeypatch):
+    monkeypatch.delenv("WANDB_API_KEY", raising=False)
+    monkeypatch.delenv("WANDB_MODE", raising=False)
+    monkeypatch.setenv("HOME", str(tmp_path))  # no ~/.netrc with a key
+    monkeypatch.setenv("WANDB_DIR", str(tmp_path))
+    monkeypatch.setenv("WANDB_CONFIG_DIR", str(tmp_path / "config"))
+    with pytest.raises(ConfigError, match="--wandb-mode offline"):
+        ExperimentLog(run_id="run", island="a", config={}, wandb_project="p", wandb_mode="online")
