@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import base64
 import hashlib
+import http.client
 import io
 import tarfile
 import urllib.request
@@ -69,7 +70,8 @@ def fetch(source: Optional[str] = None, vendor: Path = VENDOR, timeout: float = 
     and write its files under ``vendor``; returns the paths written. Does nothing for files present.
 
     :raises NetworkError: the npm registry cannot be reached (pass ``--from FILE.tgz`` instead)
-    :raises ConfigError: ``source`` is unreadable, or the tarball's SHA-512 is not the pinned one
+    :raises ConfigError: ``source`` is unreadable, the tarball's SHA-512 is not the pinned one, or
+        ``vendor`` cannot be written
     """
     written = []
     for asset in ASSETS:
@@ -84,7 +86,7 @@ def fetch(source: Optional[str] = None, vendor: Path = VENDOR, timeout: float = 
             try:
                 with urllib.request.urlopen(asset.url, timeout=timeout) as response:
                     data = response.read()
-            except OSError as e:
+            except (OSError, http.client.HTTPException) as e:
                 raise NetworkError(
                     f"cannot download {asset.url} ({e}); on a machine without internet, copy that file over and "
                     f"run `p2p-diloco fetch-assets --from {asset.name}-{asset.version}.tgz`"
@@ -92,15 +94,19 @@ def fetch(source: Optional[str] = None, vendor: Path = VENDOR, timeout: float = 
         if _integrity(data) != asset.integrity:
             raise ConfigError(f"{source or asset.url} is not {asset.name} {asset.version}: its SHA-512 differs "
                               f"from the pinned {asset.integrity}")
-        vendor.mkdir(parents=True, exist_ok=True)
-        with tarfile.open(fileobj=io.BytesIO(data), mode="r:gz") as tar:
-            for inside, name in asset.files.items():
-                member = tar.extractfile(inside)
-                if member is None:
-                    raise ConfigError(f"{asset.name} {asset.version} has no {inside}")
-                target = vendor / name
-                tmp = target.with_suffix(target.suffix + ".tmp")
-                tmp.write_bytes(member.read())
-                tmp.replace(target)  # atomic: a half-written file is never served
-                written.append(target)
+        try:
+            vendor.mkdir(parents=True, exist_ok=True)
+            with tarfile.open(fileobj=io.BytesIO(data), mode="r:gz") as tar:
+                for inside, name in asset.files.items():
+                    member = tar.extractfile(inside)
+                    if member is None:
+                        raise ConfigError(f"{asset.name} {asset.version} has no {inside}")
+                    target = vendor / name
+                    tmp = target.with_suffix(target.suffix + ".tmp")
+                    tmp.write_bytes(member.read())
+                    tmp.replace(target)  # atomic: a half-written file is never served
+                    written.append(target)
+        except OSError as e:
+            raise ConfigError(f"cannot write the dashboard's files to {vendor} ({e.strerror or e}): run "
+                              "fetch-assets as the user who installed the package") from None
     return written

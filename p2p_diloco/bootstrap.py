@@ -39,26 +39,29 @@ def run_bootstrap(config: BootstrapConfig, stop: StopSignal) -> None:
     transport.parse_maddrs(config.host_maddrs, what="--host-maddrs", need_peer_id=False)
     transport.parse_maddrs(config.announce_maddrs, what="--announce-maddrs", need_peer_id=False)
     transport.check_listen_ports(config.host_maddrs)
-    if config.dashboard_port is not None:
-        from p2p_diloco.assets import require
-
-        require()  # before starting anything
     identity = transport.ensure_identity(config.identity_path)
-    validators, public_key = make_validators(config.run_id) if config.run_id else ([], b"")
-    dht = transport.start_dht(
-        initial_peers=peers, host_maddrs=config.host_maddrs, announce_maddrs=config.announce_maddrs,
-        identity_path=identity, record_validators=validators, stop_event=stop.event,
-    )
     dashboard = None
+    if config.dashboard_port is not None:  # its port is taken before anything starts
+        from p2p_diloco.dashboard import Dashboard
+
+        dashboard = Dashboard(config.run_id, host=config.dashboard_host, port=config.dashboard_port,
+                              flag="--dashboard-port")
+    validators, public_key = make_validators(config.run_id) if config.run_id else ([], b"")
+    try:
+        dht = transport.start_dht(
+            initial_peers=peers, host_maddrs=config.host_maddrs, announce_maddrs=config.announce_maddrs,
+            identity_path=identity, record_validators=validators, stop_event=stop.event,
+        )
+    except BaseException:
+        if dashboard is not None:
+            dashboard.close()
+        raise
     try:
         print("INITIAL_PEERS=" + " ".join(transport.visible_maddrs(dht)), flush=True)
         logger.info("bootstrap peer %s is up (identity %s)", dht.peer_id, identity)
         board = ProgressBoard(dht, config.run_id, public_key) if config.run_id else None
-        if config.dashboard_port is not None:
-            from p2p_diloco.dashboard import Dashboard
-
-            dashboard = Dashboard(dht, config.run_id, public_key, host=config.dashboard_host,
-                                  port=config.dashboard_port).start()
+        if dashboard is not None:
+            dashboard.start(board)
             print(f"DASHBOARD={dashboard.url}", flush=True)
             logger.info("dashboard of run %s at %s", config.run_id, dashboard.url)
         while not stop.event.wait(config.summary_period):

@@ -13,8 +13,6 @@ CHROMIUM = os.environ.get("P2P_DILOCO_CHROMIUM", "/usr/bin/chromium")
 # flags for a machine without internet: no background connections, no sandbox (root in CI)
 ARGS = ["--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run", "--disable-background-networking",
         "--disable-component-update", "--disable-sync"]
-# the colour of each island's series (static/dashboard.js, PALETTE), as RGB
-PALETTE = [(0x1F, 0x77, 0xB4), (0xD6, 0x27, 0x28), (0x2C, 0xA0, 0x2C), (0xFF, 0x7F, 0x0E), (0x94, 0x67, 0xBD)]
 
 # pixels of a colour (within a tolerance, for antialiasing) on a chart's canvas
 _COUNT_COLOR = """([id, rgb]) => {
@@ -28,7 +26,9 @@ _COUNT_COLOR = """([id, rgb]) => {
   return n;
 }"""
 ROWS = "[...document.querySelectorAll('#islands tbody tr')].map(r => [r.dataset.island, r.className])"
-STEPS = "Object.fromEntries(window.dashboard.status.islands.map(i => [i.island, i.inner_step]))"
+STEPS = ("Object.fromEntries(window.dashboard.status.islands.filter(i => !i.departed)"
+         ".map(i => [i.key, i.inner_step]))")
+SPEED_COLOR = "#1f77b4"  # the tokens/s line (static/dashboard.js)
 
 
 @contextmanager
@@ -50,9 +50,15 @@ def chromium(width: int = 1400, height: int = 1000) -> Iterator:
             browser.close()
 
 
-def color_pixels(page, chart: str, rgb) -> int:
-    """Pixels of colour ``rgb`` drawn on the canvas of ``#chart-<chart>`` (``loss`` or ``speed``)."""
-    return page.evaluate(_COUNT_COLOR, [f"chart-{chart}", list(rgb)])
+def color_pixels(page, chart: str, color: str) -> int:
+    """Pixels of ``color`` (``#rrggbb``) drawn on the canvas of ``#chart-<chart>`` (``loss`` or ``speed``)."""
+    rgb = [int(color[i:i + 2], 16) for i in (1, 3, 5)]
+    return page.evaluate(_COUNT_COLOR, [f"chart-{chart}", rgb])
+
+
+def island_color(page, key: str) -> str:
+    """The colour the page gave island ``key`` (``#rrggbb``)."""
+    return page.evaluate("(key) => window.dashboard.colors[key]", key)
 
 
 def rows(page) -> list[list[str]]:
@@ -61,6 +67,6 @@ def rows(page) -> list[list[str]]:
 
 
 def wait_for_new_steps(page, timeout_ms: float = 30_000) -> None:
-    """Wait until every island shown has a larger inner step than now, without a reload."""
+    """Wait until every live island shown has a larger inner step than now, without a reload."""
     page.wait_for_function(f"(() => {{ const b = {json.dumps(page.evaluate(STEPS))}; const s = {STEPS}; "
                            "return Object.keys(b).every(k => s[k] > b[k]); })()", timeout=timeout_ms)

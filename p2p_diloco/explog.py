@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import logging
 import os
+import threading
 from typing import Optional
 
 from p2p_diloco.errors import ConfigError
@@ -31,6 +32,7 @@ class ExperimentLog:
                  tensorboard_dir: str = ""):
         self.run, self.writer = None, None
         self._last: Optional[tuple] = None
+        self._lock = threading.Lock()  # the reporter thread and the island's shutdown both log
         if wandb_project:
             try:
                 import wandb
@@ -66,22 +68,24 @@ class ExperimentLog:
         """Log a record's metrics at its inner step (a record equal to the last one logged is skipped)."""
         if not self.enabled:
             return
-        metrics = island_metrics(record)
+        metrics = island_metrics(record.dict())
         key = (record.inner_step, metrics.get("eval_loss"))
-        if key == self._last:
-            return
-        self._last = key
-        if self.run is not None:
-            self.run.log(metrics, step=record.inner_step)
-        if self.writer is not None:
-            for name, value in metrics.items():
-                self.writer.add_scalar(name, value, global_step=record.inner_step, walltime=record.time)
+        with self._lock:
+            if key == self._last:
+                return
+            self._last = key
+            if self.run is not None:
+                self.run.log(metrics, step=record.inner_step)
+            if self.writer is not None:
+                for name, value in metrics.items():
+                    self.writer.add_scalar(name, value, global_step=record.inner_step, walltime=record.time)
 
     def close(self) -> None:
         """Flush and finish (the W&B run is marked finished; its service process ends)."""
-        if self.writer is not None:
-            self.writer.close()
-            self.writer = None
-        if self.run is not None:
-            self.run.finish()
-            self.run = None
+        with self._lock:
+            if self.writer is not None:
+                self.writer.close()
+                self.writer = None
+            if self.run is not None:
+                self.run.finish()
+                self.run = None

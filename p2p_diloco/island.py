@@ -256,6 +256,7 @@ class Island:
         self.syncer: Optional[Syncer] = None
         self.reporter: Optional[Reporter] = None
         self.explog: Optional[ExperimentLog] = None
+        self._explog_failed = False
         self.status_line: Optional[StatusLine] = None
         self.peer_id, self.maddrs = "", []
 
@@ -488,9 +489,15 @@ class Island:
         )
 
     def _published_record(self, state: str) -> IslandProgress:
-        """The record the reporter publishes, also logged to W&B / TensorBoard when asked for."""
+        """The record the reporter publishes, also logged to W&B / TensorBoard when asked for (a
+        logging failure is reported but never keeps the record from being published)."""
         record = self._record(state)
-        self.explog.log(record)
+        try:
+            self.explog.log(record)
+        except Exception as e:
+            if not self._explog_failed:
+                logger.warning("experiment logging failed (the island goes on): %r", e)
+            self._explog_failed = True
         return record
 
     def _show(self, others: list[IslandProgress], tick: int) -> None:

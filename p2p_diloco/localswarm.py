@@ -154,15 +154,9 @@ class LocalSwarm:
              "--run-id", self.run_id, *extra],
             stdout=subprocess.PIPE,
         )
-        line = read_line(self.bootstrap.popen, timeout)
-        if not line.startswith("INITIAL_PEERS="):
-            raise RuntimeError(f"bootstrap did not start: {line!r}; see {self.bootstrap.log_path}")
-        self.initial_peers = line.split("=", 1)[1].split()
+        self.initial_peers = read_value(self.bootstrap, "INITIAL_PEERS", timeout).split()
         if "--dashboard-port" in extra:  # its second line
-            line = read_line(self.bootstrap.popen, timeout)
-            if not line.startswith("DASHBOARD="):
-                raise RuntimeError(f"the bootstrap's dashboard did not start: {line!r}; see {self.bootstrap.log_path}")
-            self.dashboard_url = line.split("=", 1)[1]
+            self.dashboard_url = read_value(self.bootstrap, "DASHBOARD", timeout)
         return self.initial_peers
 
     def start_dashboard(self, *extra: str, timeout: float = 60.0) -> str:
@@ -175,10 +169,7 @@ class LocalSwarm:
             "dashboard", ["dashboard", "--initial-peers", *self.initial_peers, "--run-id", self.run_id,
                           "--port", "0", *extra], stdout=subprocess.PIPE,
         )
-        line = read_line(self.dashboard.popen, timeout)
-        if not line.startswith("DASHBOARD="):
-            raise RuntimeError(f"the dashboard did not start: {line!r}; see {self.dashboard.log_path}")
-        return line.split("=", 1)[1]
+        return read_value(self.dashboard, "DASHBOARD", timeout)
 
     def start_island(self, name: str, *extra: str, initial_peers: Optional[Sequence[str]] = None,
                      host: Optional[str] = None, prefix: Sequence[str] = ()) -> Managed:
@@ -240,6 +231,17 @@ class LocalSwarm:
                 managed.stop(timeout)
                 leftovers += managed.reap_leftovers()
         return leftovers
+
+
+def read_value(managed: Managed, name: str, timeout: float) -> str:
+    """The value of the next stdout line of ``managed``, which must be ``NAME=value``.
+
+    :raises RuntimeError: another line, or none within ``timeout`` seconds (the process died)
+    """
+    line = read_line(managed.popen, timeout)
+    if not line.startswith(name + "="):
+        raise RuntimeError(f"{managed.name} did not start (expected {name}=..., got {line!r}); see {managed.log_path}")
+    return line.split("=", 1)[1]
 
 
 def read_line(popen: subprocess.Popen, timeout: float) -> str:

@@ -9,8 +9,9 @@ Observers (``p2p-diloco status``, the demo) show only what is in these records.
 from __future__ import annotations
 
 import logging
+import math
 import threading
-from typing import Dict, List, Optional
+from typing import Dict, List, Mapping, Optional
 
 from hivemind.dht.schema import BytesWithPublicKey, RSASignatureValidator, SchemaValidator
 from hivemind.utils import ValueWithExpiration, get_dht_time
@@ -107,14 +108,20 @@ class ProgressBoard:
             return False
 
     def read(self) -> list[IslandProgress]:
-        """Every live, valid island record of the run (expired and withdrawn ones are left out)."""
+        """Every live, valid island record of the run (expired and withdrawn ones are left out); empty
+        when the DHT could not be asked."""
+        return self.try_read() or []
+
+    def try_read(self) -> Optional[list[IslandProgress]]:
+        """Like :meth:`read`, but None when the DHT could not be asked (an error or a timeout), so that
+        an observer can tell "no island" from "no answer"."""
         try:
             with self._lock:
                 future = self.dht.get(self.key, latest=True, return_future=True)
             found = future.result(timeout=self.timeout)
         except Exception as e:
             logger.debug("could not read progress records: %r", e)
-            return []
+            return None
         if not isinstance(found, ValueWithExpiration) or not isinstance(found.value, dict):
             return []
         records = []
@@ -132,10 +139,11 @@ METRICS = ("inner_step", "tokens", "tokens_per_second", "loss", "eval_loss", "ro
            "rounds_rejected", "utilization", "goodput", "bytes_sent", "bytes_received", "bytes_per_token")
 
 
-def island_metrics(record: IslandProgress) -> dict[str, float]:
-    """A record's numeric metrics under the names that the dashboard (``/api/status``), ``/metrics``
-    (prefixed ``p2p_diloco_island_``), Weights & Biases and TensorBoard all use. Units: tokens,
-    tokens/s, nats (loss), bytes, fractions. Metrics without a value yet (no eval) are left out."""
-    values = {name: getattr(record, name, None) for name in METRICS}
-    values["bytes_per_token"] = record.bytes_sent / record.tokens if record.tokens else None
-    return {name: float(value) for name, value in values.items() if value is not None}
+def island_metrics(record: Mapping) -> dict[str, float]:
+    """A record's numeric metrics (``record``: an :class:`IslandProgress` as a dict) under the names
+    that the dashboard (``/api/status``), ``/metrics`` (prefixed ``p2p_diloco_island_``), Weights &
+    Biases and TensorBoard all use. Units: tokens, tokens/s, nats (loss), bytes, fractions. Metrics
+    without a finite value (no eval yet; a NaN from a faulty peer) are left out."""
+    values = {name: record.get(name) for name in METRICS}
+    values["bytes_per_token"] = record["bytes_sent"] / record["tokens"] if record.get("tokens") else None
+    return {name: float(value) for name, value in values.items() if value is not None and math.isfinite(value)}

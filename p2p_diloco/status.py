@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 import time
 
 from p2p_diloco import transport
@@ -12,11 +13,18 @@ from p2p_diloco.procs import StopSignal
 from p2p_diloco.records import IslandProgress, ProgressBoard, make_validators
 
 
+def finite_or_none(value):
+    """``value``, or None for a NaN or infinite float (a faulty peer's record must not break JSON)."""
+    return None if isinstance(value, float) and not math.isfinite(value) else value
+
+
 def swarm_snapshot(records: list[IslandProgress], run_id: str, now: float | None = None) -> dict:
-    """The JSON view of ``status --json``: every live island's record plus swarm totals."""
+    """The JSON view of ``status --json``: every live island's record plus swarm totals (non-finite
+    numbers become null)."""
     now = time.time() if now is None else now
-    islands = [r.dict() | {"last_seen_s": round(max(0.0, now - r.time), 2),
-                           "bytes_per_token": round(r.bytes_sent / r.tokens, 3) if r.tokens else None}
+    islands = [{k: finite_or_none(v) for k, v in r.dict().items()}
+               | {"last_seen_s": round(max(0.0, now - r.time), 2),
+                  "bytes_per_token": round(r.bytes_sent / r.tokens, 3) if r.tokens else None}
                for r in records]
     tokens = sum(r.tokens for r in records)
     training = [r for r in records if r.state == "training"]
@@ -24,7 +32,7 @@ def swarm_snapshot(records: list[IslandProgress], run_id: str, now: float | None
         "islands": len(records),
         "training": len(training),
         "tokens": tokens,
-        "tokens_per_second": round(sum(r.tokens_per_second for r in training), 2),
+        "tokens_per_second": round(sum(finite_or_none(r.tokens_per_second) or 0.0 for r in training), 2),
         "rounds_ok": sum(r.rounds_ok for r in records),
         "rounds_failed": sum(r.rounds_failed for r in records),
         "mean_utilization": round(sum(r.utilization for r in training) / len(training), 4) if training else None,

@@ -66,9 +66,10 @@ def main() -> int:
             page.wait_for_function(TRAINING, timeout=300_000)
             time.sleep(20)  # some history for the charts
             result["rows"] = browser.rows(page)
-            result["loss_curve_pixels"] = {f"island-{i}": browser.color_pixels(page, "loss", browser.PALETTE[i])
-                                           for i in range(3)}
-            result["speed_chart_pixels"] = browser.color_pixels(page, "speed", browser.PALETTE[0])
+            result["loss_curve_pixels"] = {
+                name: browser.color_pixels(page, "loss", browser.island_color(page, name))
+                for name in ("island-0", "island-1", "island-2")}
+            result["speed_chart_pixels"] = browser.color_pixels(page, "speed", browser.SPEED_COLOR)
             ages, last, end = [], None, time.monotonic() + 20
             while time.monotonic() < end:  # the newest record's age each time the page redraws
                 if (updates := page.evaluate("window.dashboard.updates")) != last:
@@ -93,7 +94,10 @@ def main() -> int:
     finally:
         if demo.poll() is None:
             demo.send_signal(signal.SIGINT)
-            demo.wait(120)
+            try:
+                demo.wait(120)
+            except subprocess.TimeoutExpired:
+                demo.kill()  # the demo's own children end with it (exit-with-parent)
     (out / "check.json").write_text(json.dumps(result, indent=2) + "\n")
     print(json.dumps(result, indent=2))
     return 0

@@ -24,7 +24,7 @@ from rich.table import Table
 
 from p2p_diloco import transport
 from p2p_diloco.dashboard import Dashboard
-from p2p_diloco.errors import NetworkError, UserError
+from p2p_diloco.errors import ConfigError, NetworkError, UserError
 from p2p_diloco.localswarm import LOOPBACK, LocalSwarm
 from p2p_diloco.plots import plot_loss_vs_tokens
 from p2p_diloco.procs import install_child_hooks
@@ -101,14 +101,18 @@ def _fmt(value) -> str:
     return "-" if value is None else f"{value:.3f}"
 
 
-def start_dashboard(dht, args: argparse.Namespace, public_key: bytes, console: Console) -> Dashboard:
-    """The live dashboard on the observer's DHT, on ``--dashboard-port`` or else on a free port."""
+def start_dashboard(board: ProgressBoard, args: argparse.Namespace, console: Console) -> Dashboard | None:
+    """The live dashboard of the observer's records, on ``--dashboard-port`` or else on a free port;
+    None (after a warning) when its chart files are missing and cannot be fetched (offline)."""
     try:
-        dashboard = Dashboard(dht, args.run_id, public_key, port=args.dashboard_port)
+        dashboard = Dashboard(args.run_id, port=args.dashboard_port)
     except NetworkError:
         console.print(f"[yellow]port {args.dashboard_port} is taken: the dashboard takes a free one[/yellow]")
-        dashboard = Dashboard(dht, args.run_id, public_key, port=0)
-    dashboard.start()
+        dashboard = Dashboard(args.run_id, port=0)
+    except ConfigError as e:
+        console.print(f"[yellow]no dashboard: {e}[/yellow]")
+        return None
+    dashboard.start(board)
     console.print(f"[bold]dashboard: {dashboard.url}[/bold] (JSON: {dashboard.url}api/status, "
                   f"Prometheus: {dashboard.url}metrics)")
     return dashboard
@@ -162,11 +166,7 @@ def main(argv=None) -> int:
             return 1
         signal.signal(signal.SIGINT, on_signal)  # hivemind may have reset it
         board = ProgressBoard(observer, args.run_id, public_key)
-        try:
-            dashboard = start_dashboard(observer, args, public_key, console)
-        except UserError as e:
-            console.print(f"[red]error: {e}[/red]")
-            return e.exit_code
+        dashboard = start_dashboard(board, args, console)
         deadline = time.monotonic() + args.minutes * 60 + STARTUP_ALLOWANCE
         live = None
         if console.is_terminal:

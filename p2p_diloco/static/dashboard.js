@@ -4,9 +4,10 @@
 "use strict";
 
 const PALETTE = ["#1f77b4", "#d62728", "#2ca02c", "#ff7f0e", "#9467bd", "#8c564b", "#e377c2", "#17becf",
-                 "#7f7f7f", "#bcbd22"];
+                 "#bcbd22", "#393b79"];
 const GREY = "#9aa3b2";  // departed islands
-const dashboard = { updates: 0, status: null, charts: {}, error: null };
+// colours: given to each island (row key) when first seen and kept, so that they never shift
+const dashboard = { updates: 0, status: null, charts: {}, colors: {}, error: null };
 window.dashboard = dashboard;
 
 const $ = (id) => document.getElementById(id);
@@ -14,9 +15,15 @@ const fmt = (v, digits = 3) => (v === null || v === undefined ? "-" : Number(v).
 const big = (v) => (v === null || v === undefined ? "-" : Math.round(v).toLocaleString("en-US"));
 const tokens = (v) => (v >= 1e6 ? (v / 1e6).toFixed(2) + "M" : v >= 1e3 ? (v / 1e3).toFixed(1) + "k" : String(v));
 
-function colorOf(name, names) {
-  return PALETTE[names.indexOf(name) % PALETTE.length];
+function colorOf(key) {
+  if (!(key in dashboard.colors)) {
+    dashboard.colors[key] = PALETTE[Object.keys(dashboard.colors).length % PALETTE.length];
+  }
+  return dashboard.colors[key];
 }
+
+// a series with one or two points has no line to draw: show its points
+const fewPoints = (u, si) => u.data[si].filter((v) => v !== null && v !== undefined).length <= 2;
 
 function chartWidth(el) {
   return Math.max(300, el.clientWidth - 4);
@@ -46,8 +53,8 @@ function drawLoss(history, names, departed) {
     // an eval loss is drawn where it changed (the record repeats the latest one)
     const evals = h.eval_loss.map((v, i) => (i > 0 && v === h.eval_loss[i - 1] ? null : v));
     tables.push([h.tokens, h.loss, evals]);
-    const stroke = departed.has(name) ? GREY : colorOf(name, names);
-    series.push({ label: `${name} loss`, stroke, width: 1.5, spanGaps: true, points: { show: false } });
+    const stroke = departed.has(name) ? GREY : colorOf(name);
+    series.push({ label: `${name} loss`, stroke, width: 1.5, spanGaps: true, points: { show: fewPoints, fill: stroke } });
     series.push({ label: `${name} eval`, stroke, width: 1.5, dash: [6, 4], spanGaps: true,
                   points: { show: true, size: 5, fill: stroke } });
   }
@@ -65,18 +72,18 @@ function drawSpeed(history) {
   draw("speed", $("chart-speed"), "speed", (width) => ({
     width, height: 300,
     series: [{}, { label: "swarm tokens/s", stroke: "#1f77b4", width: 2, fill: "rgba(31,119,180,0.08)",
-                   points: { show: false }, value: (u, v) => big(v) }],
+                   points: { show: fewPoints }, value: (u, v) => big(v) }],
     axes: [{}, { label: "tokens/s", size: 70, values: (u, ticks) => ticks.map(big) }],
   }), data);
 }
 
-function row(island, names) {
+function row(island) {
   const tr = document.createElement("tr");
-  tr.dataset.island = island.island;
+  tr.dataset.island = island.key;
   if (island.departed) tr.className = "departed";
   const seen = island.departed ? `departed ${Math.round(island.departed_s)}s ago` : `${Math.round(island.last_seen_s)}s ago`;
   const cells = [
-    island.island, island.device, island.departed ? "departed" : island.state, big(island.inner_step),
+    island.key, island.device, island.departed ? "departed" : island.state, big(island.inner_step),
     tokens(island.tokens), big(island.tokens_per_second), fmt(island.loss), fmt(island.eval_loss),
     island.fragment_versions.join(","), `${island.rounds_ok}/${island.rounds_failed}`, fmt(island.utilization),
     fmt(island.bytes_per_token, 1), seen,
@@ -86,7 +93,7 @@ function row(island, names) {
     if (i === 0) {
       const swatch = document.createElement("span");
       swatch.className = "swatch";
-      swatch.style.background = island.departed ? GREY : colorOf(island.island, names);
+      swatch.style.background = island.departed ? GREY : colorOf(island.key);
       td.appendChild(swatch);
     }
     td.appendChild(document.createTextNode(text));
@@ -106,8 +113,9 @@ function render(status) {
   $("t-bytes").textContent = fmt(t.bytes_per_token, 1);
   const names = Object.keys(status.history.islands).sort();
   const body = document.querySelector("#islands tbody");
-  body.replaceChildren(...status.islands.map((island) => row(island, names)));
-  drawLoss(status.history, names, new Set(status.islands.filter((i) => i.departed).map((i) => i.island)));
+  names.forEach(colorOf);
+  body.replaceChildren(...status.islands.map(row));
+  drawLoss(status.history, names, new Set(status.islands.filter((i) => i.departed).map((i) => i.key)));
   drawSpeed(status.history);
   const live = $("live");
   const age = status.updated ? status.time - status.updated : null;
@@ -116,25 +124,34 @@ function render(status) {
   live.className = age !== null && age < 3 * status.poll_seconds + 5 ? "live" : "live stale";
 }
 
+function problem(text) {
+  dashboard.error = text;
+  const live = $("live");
+  live.textContent = text;
+  live.className = "live stale";
+}
+
 async function tick() {
-  let wait = 1000;
+  let status = null;
   try {
     const response = await fetch("/api/status", { cache: "no-store" });
     if (!response.ok) throw new Error(`HTTP ${response.status}`);
-    const status = await response.json();
+    status = await response.json();
+  } catch (e) {
+    problem(`dashboard unreachable (${e}); retrying…`);
+    setTimeout(tick, 3000);
+    return;
+  }
+  try {
     dashboard.status = status;
     render(status);
     dashboard.updates += 1;
     dashboard.error = null;
-    wait = Math.max(500, 1000 * status.poll_seconds);
   } catch (e) {
-    dashboard.error = String(e);
-    const live = $("live");
-    live.textContent = `dashboard unreachable (${e}); retrying…`;
-    live.className = "live stale";
-    wait = 3000;
+    console.error(e);
+    problem(`could not draw the latest data (${e})`);
   }
-  setTimeout(tick, wait);
+  setTimeout(tick, Math.max(500, 1000 * status.poll_seconds));
 }
 
 window.addEventListener("resize", () => {

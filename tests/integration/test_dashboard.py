@@ -15,15 +15,18 @@ import struct
 import time
 import urllib.request
 from pathlib import Path
+from threading import Thread
 
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from p2p_diloco import browser
+from p2p_diloco.dashboard import SwarmHistory, make_server
 from p2p_diloco.localswarm import LocalSwarm
 from p2p_diloco.records import METRICS
 from tests.conftest import ROOT
 from tests.integration.helpers import FAST, cli, wait_for
+from tests.unit.test_dashboard import record
 
 pytestmark = pytest.mark.integration
 ISLANDS = ["island-0", "island-1"]
@@ -34,11 +37,15 @@ ARTIFACTS = Path(os.environ.get("P2P_DILOCO_ARTIFACTS", ROOT / "runs" / "test-ar
 def swarm(tmp_path_factory):
     workdir = tmp_path_factory.mktemp("dashboard")
     swarm = LocalSwarm(workdir, run_id="dash", env={"WANDB_DIR": str(workdir), "WANDB_SILENT": "true"})
-    swarm.start_bootstrap("--dashboard-port", "0")
-    logging = ["--wandb-project", "itest", "--wandb-mode", "offline", "--tensorboard-dir", str(workdir / "tb")]
-    for index, name in enumerate(ISLANDS):
-        swarm.start_island(name, *FAST, "--data-shard-index", str(index), *(logging if index == 0 else []))
-    swarm.standalone_url = swarm.start_dashboard("--departed-keep", "8", "--interval", "0.5")
+    try:
+        swarm.start_bootstrap("--dashboard-port", "0")
+        logging = ["--wandb-project", "itest", "--wandb-mode", "offline", "--tensorboard-dir", str(workdir / "tb")]
+        for index, name in enumerate(ISLANDS):
+            swarm.start_island(name, *FAST, "--data-shard-index", str(index), *(logging if index == 0 else []))
+        swarm.standalone_url = swarm.start_dashboard("--departed-keep", "8", "--interval", "0.5")
+    except BaseException:
+        swarm.close()
+        raise
     yield swarm
     assert not swarm.close(), "processes had to be force-killed"
 
@@ -83,8 +90,8 @@ def test_api_status_shows_every_live_island_with_its_fields(swarm):
 
 
 def test_metrics_parse_with_prometheus_clients_parser(swarm):
+    status = _json(swarm.dashboard_url)  # first: an eval loss, once there, stays
     families = _metrics(swarm.dashboard_url)
-    status = _json(swarm.dashboard_url)
     assert {s.labels["island"]: s.value for s in families["p2p_diloco_island_up"].samples} == \
         {name: 1.0 for name in ISLANDS}
     for name in METRICS:
@@ -110,9 +117,11 @@ def test_page_renders_every_island_and_both_charts_and_updates_live(swarm):
         page.goto(swarm.dashboard_url)
         page.wait_for_function("window.dashboard && window.dashboard.updates >= 2", timeout=30_000)
         assert sorted(browser.rows(page)) == [[name, ""] for name in ISLANDS]
-        for index, name in enumerate(ISLANDS):  # each island's loss curve is drawn in its colour
-            assert browser.color_pixels(page, "loss", browser.PALETTE[index]) > 50, name
-        assert browser.color_pixels(page, "speed", browser.PALETTE[0]) > 50
+        colors = [browser.island_color(page, name) for name in ISLANDS]
+        assert len(set(colors)) == len(ISLANDS)
+        for name, color in zip(ISLANDS, colors):  # each island's loss curve is drawn in its colour
+            assert browser.color_pixels(page, "loss", color) > 50, name
+        assert browser.color_pixels(page, "speed", browser.SPEED_COLOR) > 50
         assert page.text_content("#t-islands") == "2"
         started = time.monotonic()
         browser.wait_for_new_steps(page)  # a live update: new inner steps without a reload
@@ -120,6 +129,31 @@ def test_page_renders_every_island_and_both_charts_and_updates_live(swarm):
         page.screenshot(path=str(ARTIFACTS / "dashboard.png"), full_page=True)
         print(f"the page showed new inner steps {seconds:.1f} s later; screenshot in {ARTIFACTS}/dashboard.png")
         assert not errors, errors
+
+
+def test_page_draws_sparse_and_faulty_records_without_errors():
+    """No swarm: one island with a single point and no eval, one whose record carries a NaN loss (a
+    faulty peer), one departed; the swarm series has one point. The page must draw all of it."""
+    history = SwarmHistory("edge", misses=1)
+    now = time.time()
+    history.update([record("gone", 4096, now - 2)], now=now - 2)
+    history.update([record("solo", 2048, now), record("faulty", 4096, now, loss=float("nan"))], now=now)
+    server = make_server(history)
+    Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        with browser.chromium() as page:
+            errors = []
+            page.on("pageerror", lambda e: errors.append(str(e)))
+            page.goto(f"http://127.0.0.1:{server.server_address[1]}/")
+            page.wait_for_function("window.dashboard && window.dashboard.updates >= 2", timeout=30_000)
+            assert not errors and page.evaluate("window.dashboard.error") is None, errors
+            assert browser.rows(page) == [["faulty", ""], ["gone", "departed"], ["solo", ""]]
+            # a single point is drawn as a dot in the island's colour
+            assert browser.color_pixels(page, "loss", browser.island_color(page, "solo")) > 5
+            assert browser.color_pixels(page, "speed", browser.SPEED_COLOR) > 5
+    finally:
+        server.shutdown()
+        server.server_close()
 
 
 def test_killed_island_is_departed_then_dropped(swarm):
@@ -178,9 +212,11 @@ def test_clean_stop_withdraws_the_record_and_leaves_wandb_and_tensorboard_logs(s
     island.signal(signal.SIGTERM)
     island.popen.wait(60)
     assert island.popen.returncode == 0
-    # withdrawn at exit: departed at once, not after the record's TTL
-    wait_for(lambda: all(i["departed"] for i in _json(swarm.dashboard_url)["islands"]), timeout=5,
-             interval=0.5, message="island-0 departed")
+    # withdrawn at exit: the dashboard saw it go while its last record was younger than the TTL (6 s)
+    island_0 = wait_for(lambda: next((i for i in _json(swarm.dashboard_url)["islands"]
+                                      if i["island"] == "island-0" and i["departed"]), None),
+                        timeout=30, interval=0.5, message="island-0 departed")
+    assert island_0["last_seen_s"] - island_0["departed_s"] < 6, island_0
     summary = swarm.summary("island-0")
     rows = _wandb_history(swarm.workdir)
     logged = {key for row in rows for key in row if not key.startswith("_")}

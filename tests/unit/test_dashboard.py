@@ -6,9 +6,9 @@ from __future__ import annotations
 import io
 import json
 import tarfile
+import time
 import urllib.error
 import urllib.request
-from http.server import ThreadingHTTPServer
 from threading import Thread
 
 import pytest
@@ -17,8 +17,8 @@ from prometheus_client.exposition import generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
 from p2p_diloco import assets
-from p2p_diloco.dashboard import SwarmCollector, SwarmHistory, _handler
-from p2p_diloco.errors import ConfigError
+from p2p_diloco.dashboard import Dashboard, SwarmCollector, SwarmHistory, make_server
+from p2p_diloco.errors import ConfigError, NetworkError
 from p2p_diloco.explog import ExperimentLog
 from p2p_diloco.records import METRICS, IslandProgress, island_metrics
 
@@ -34,48 +34,66 @@ def record(island: str, tokens: int, t: float, *, loss=5.0, eval_loss=None, stat
 
 
 def test_island_metrics_share_one_set_of_names():
-    metrics = island_metrics(record("a", 4096, 100.0))
+    metrics = island_metrics(record("a", 4096, 100.0).dict())
     assert set(metrics) == set(METRICS) - {"eval_loss"}  # no eval yet: left out, not logged as 0
     assert metrics["bytes_per_token"] == 10.0 and metrics["inner_step"] == 2.0
-    assert island_metrics(record("a", 4096, 100.0, eval_loss=4.5))["eval_loss"] == 4.5
+    assert island_metrics(record("a", 4096, 100.0, eval_loss=4.5).dict())["eval_loss"] == 4.5
+    assert "loss" not in island_metrics(record("a", 4096, 100.0, loss=float("nan")).dict())
 
 
 def test_history_follows_islands_coming_departing_and_dropped():
-    history = SwarmHistory("run", points=3, departed_keep=10.0)
-    history.update([record("a", 2048, 100.0), record("b", 4096, 100.0)], now=100.0)
+    history = SwarmHistory("run", points=4, departed_keep=10.0)
+    history.update([record("b", 4096, 100.0), record("a", 2048, 100.0)], now=100.0)
     history.update([record("a", 4096, 101.0), record("b", 4096, 101.0, loss=4.0)], now=101.0)
     snap = history.snapshot(now=101.0)
-    assert [i["island"] for i in snap["islands"]] == ["a", "b"] and not any(i["departed"] for i in snap["islands"])
+    assert [i["key"] for i in snap["islands"]] == ["a", "b"] and not any(i["departed"] for i in snap["islands"])
     assert snap["totals"]["islands_alive"] == 2 and snap["totals"]["tokens_so_far"] == 8192
     assert snap["history"]["islands"]["a"]["tokens"] == [2048, 4096]
     assert snap["history"]["islands"]["b"] == {"tokens": [4096], "loss": [4.0], "eval_loss": [None]}  # same x: replaced
-    # b's record is gone: departed, greyed, still counted in tokens so far
-    history.update([record("a", 6144, 105.0)], now=105.0)
+    # one read without b's record is not enough (a read can miss a live record); two are
+    history.update([record("a", 6144, 104.0)], now=104.0)
+    assert not history.snapshot(now=104.0)["islands"][1]["departed"]
+    history.update([record("a", 8192, 105.0)], now=105.0)
     snap = history.snapshot(now=107.0)
     b = snap["islands"][-1]
-    assert b["island"] == "b" and b["departed"] and b["departed_s"] == 2.0
-    assert snap["totals"]["islands_alive"] == 1 and snap["totals"]["tokens_so_far"] == 6144 + 4096
+    assert b["key"] == "b" and b["departed"] and b["departed_s"] == 2.0
+    assert snap["totals"]["islands_alive"] == 1 and snap["totals"]["tokens_so_far"] == 8192 + 4096
     # after departed_keep it is dropped; its tokens stay in the swarm's total
-    history.update([record("a", 8192, 116.0)], now=116.0)
+    history.update([record("a", 10240, 116.0)], now=116.0)
     snap = history.snapshot(now=116.0)
-    assert [i["island"] for i in snap["islands"]] == ["a"] and "b" not in snap["history"]["islands"]
-    assert snap["totals"]["tokens_so_far"] == 8192 + 4096
-    assert snap["history"]["islands"]["a"]["tokens"] == [4096, 6144, 8192]  # bounded: the oldest point dropped
-    assert len(snap["history"]["swarm"]["time"]) == 3
+    assert [i["key"] for i in snap["islands"]] == ["a"] and "b" not in snap["history"]["islands"]
+    assert snap["totals"]["tokens_so_far"] == 10240 + 4096
+    # bounded: when full, the older half is thinned, so the curve still starts at the run's start
+    assert snap["history"]["islands"]["a"]["tokens"] == [2048, 6144, 8192, 10240]
+    assert len(snap["history"]["swarm"]["time"]) <= 4 and snap["history"]["swarm"]["time"][0] == 100.0
+    # b comes back, resumed from a checkpoint: its tokens are not counted twice
+    history.update([record("a", 10240, 117.0), record("b", 6144, 117.0)], now=117.0)
+    assert history.snapshot(now=117.0)["totals"]["tokens_so_far"] == 10240 + 6144
 
 
-def test_history_a_returning_island_is_live_again_and_a_fresh_restart_starts_its_curve_over():
+def test_history_restarts_and_two_peers_claiming_one_name():
     history = SwarmHistory("run", departed_keep=60.0)
     history.update([record("a", 8192, 100.0)], now=100.0)
-    history.update([], now=101.0)
-    assert history.snapshot(now=101.0)["islands"][0]["departed"]
-    history.update([record("a", 2048, 130.0)], now=130.0)  # restarted without a checkpoint
+    history.update([record("a", 2048, 130.0)], now=130.0)  # restarted from scratch: a new life
     snap = history.snapshot(now=130.0)
-    assert not snap["islands"][0]["departed"] and snap["history"]["islands"]["a"]["tokens"] == [2048]
+    assert snap["history"]["islands"]["a"]["tokens"] == [2048] and snap["totals"]["tokens_so_far"] == 8192 + 2048
+    history.update([record("a", 4096, 131.0)], now=131.0)
+    twin = record("a", 1024, 131.0).copy(update={"peer_id": "QmOther"})
+    history.update([record("a", 6144, 132.0), twin], now=132.0)
+    keys = [i["key"] for i in history.snapshot(now=132.0)["islands"]]
+    assert "a@mOther" in keys and "a@Qma" in keys  # one row each, not one row flipping between them
+
+
+def test_non_finite_numbers_become_null_in_the_json():
+    history = SwarmHistory("run")
+    history.update([record("a", 4096, 100.0, loss=float("nan"), eval_loss=float("inf"))], now=100.0)
+    text = json.dumps(history.snapshot(now=100.0), allow_nan=False)  # raises on NaN
+    island = json.loads(text)["islands"][0]
+    assert island["loss"] is None and island["eval_loss"] is None
 
 
 def test_prometheus_output_parses_with_prometheus_clients_own_parser():
-    history = SwarmHistory("run")
+    history = SwarmHistory("run", misses=1)
     history.update([record("a", 4096, 100.0, eval_loss=4.5), record("b", 2048, 100.0)], now=100.0)
     history.update([record("a", 6144, 101.0, eval_loss=4.5)], now=101.0)  # b departed
     registry = CollectorRegistry(auto_describe=False)
@@ -96,9 +114,7 @@ def test_prometheus_output_parses_with_prometheus_clients_own_parser():
 def server():
     history = SwarmHistory("run")
     history.update([record("a", 4096, 100.0)], now=100.0)
-    registry = CollectorRegistry(auto_describe=False)
-    registry.register(SwarmCollector(history))
-    httpd = ThreadingHTTPServer(("127.0.0.1", 0), _handler(history, registry, poll_seconds=1.0))
+    httpd = make_server(history)
     Thread(target=httpd.serve_forever, daemon=True).start()
     yield f"http://127.0.0.1:{httpd.server_address[1]}"
     httpd.shutdown()
@@ -117,7 +133,8 @@ def test_http_routes(server):
     code, kind, body = _get(server + "/api/status")
     assert code == 200 and kind == "application/json"
     status = json.loads(body)
-    assert status["poll_seconds"] == 1.0 and status["islands"][0]["island"] == "a"
+    assert status["poll_seconds"] == 1.0 and status["islands"][0]["island"] == "a" and "history" in status
+    assert "history" not in json.loads(_get(server + "/api/status?history=0")[2])
     code, kind, body = _get(server + "/metrics")
     assert code == 200 and kind.startswith("text/plain") and b"p2p_diloco_island_tokens" in body
     code, kind, body = _get(server + "/")
@@ -126,6 +143,55 @@ def test_http_routes(server):
     assert _get(server + "/static/../dashboard.py")[0] == 404  # nothing outside static/
     assert _get(server + "/static/%2e%2e/dashboard.py")[0] == 404
     assert _get(server + "/nope")[0] == 404
+    assert _get(server + "/static/a%00b")[0] == 404
+    head = urllib.request.Request(server + "/api/status", method="HEAD")
+    with urllib.request.urlopen(head, timeout=10) as response:
+        assert response.status == 200 and response.read() == b""
+
+
+class FakeBoard:
+    """A board whose reads fail (None) until told otherwise."""
+
+    timeout = 1.0
+
+    def __init__(self):
+        self.records = None
+
+    def try_read(self):
+        return self.records
+
+
+def test_dashboard_lifecycle_and_failed_reads():
+    dashboard = Dashboard("run", port=0, interval=0.05)
+    dashboard.close()  # before start: returns at once
+    dashboard.close()
+    board = FakeBoard()
+    dashboard = Dashboard("run", port=0, interval=0.05).start(board)
+    try:
+        dashboard.history.update([record("a", 4096, time.time())])
+        time.sleep(0.5)  # ten failed reads: nobody departs on "no answer"
+        assert not dashboard.history.snapshot()["islands"][0]["departed"]
+        board.records = []  # an answer: nobody is there any more
+        wait = time.monotonic() + 10
+        while not dashboard.history.snapshot()["islands"][0]["departed"] and time.monotonic() < wait:
+            time.sleep(0.05)
+        assert dashboard.history.snapshot()["islands"][0]["departed"]
+        status, _, _ = _get(dashboard.url + "api/status")
+        assert status == 200
+    finally:
+        dashboard.close()
+    with pytest.raises(urllib.error.URLError):
+        urllib.request.urlopen(dashboard.url + "api/status", timeout=2)
+
+
+def test_a_taken_port_is_a_network_error_naming_the_flag():
+    first = Dashboard("run", port=0)
+    try:
+        port = first.server.server_address[1]
+        with pytest.raises(NetworkError, match=f"127.0.0.1:{port}.*--dashboard-port"):
+            Dashboard("run", port=port, flag="--dashboard-port")
+    finally:
+        first.close()
 
 
 def test_experiment_log_off_does_nothing():
@@ -138,7 +204,7 @@ def test_experiment_log_off_does_nothing():
 def test_tensorboard_dir_that_cannot_be_written_is_a_config_error(tmp_path):
     blocker = tmp_path / "file"
     blocker.write_text("x")
-    with pytest.raises(ConfigError, match="--tensorboard-dir"):
+    with pytest.raises(ConfigError, match="--tensorboard-dir .* cannot write"):
         ExperimentLog(run_id="run", island="a", config={}, tensorboard_dir=str(blocker))
 
 
