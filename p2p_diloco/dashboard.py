@@ -178,7 +178,7 @@ class SwarmCollector:
             gauge("island_last_seen_seconds", "seconds since the island's latest record").add_metric(
                 labels, island["last_seen_s"])
             for metric, value in island_metrics(island).items():
-                gauge(f"island_{metric}", f"the island's {metric} (see DESIGN.md, DHT records)").add_metric(
+                gauge(f"island_{metric}", f"the island's {metric}, from its signed progress record").add_metric(
                     labels, value)
         totals = snapshot["totals"]
         for metric, key, doc in (

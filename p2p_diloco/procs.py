@@ -86,7 +86,7 @@ class StopSignal:
             logger.warning("second %s: exiting now", name)
             os._exit(130)
         self.received = name
-        logger.info("%s received: finishing the current step and shutting down (again to force)", name)
+        logger.info("%s received: shutting down (again to force)", name)
         self.event.set()
 
 
