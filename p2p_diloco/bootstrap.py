@@ -47,16 +47,12 @@ def run_bootstrap(config: BootstrapConfig, stop: StopSignal) -> None:
         dashboard = Dashboard(config.run_id, host=config.dashboard_host, port=config.dashboard_port,
                               flag="--dashboard-port")
     validators, public_key = make_validators(config.run_id) if config.run_id else ([], b"")
+    dht = None
     try:
         dht = transport.start_dht(
             initial_peers=peers, host_maddrs=config.host_maddrs, announce_maddrs=config.announce_maddrs,
             identity_path=identity, record_validators=validators, stop_event=stop.event,
         )
-    except BaseException:
-        if dashboard is not None:
-            dashboard.close()
-        raise
-    try:
         print("INITIAL_PEERS=" + " ".join(transport.visible_maddrs(dht)), flush=True)
         logger.info("bootstrap peer %s is up (identity %s)", dht.peer_id, identity)
         board = ProgressBoard(dht, config.run_id, public_key) if config.run_id else None
@@ -67,8 +63,9 @@ def run_bootstrap(config: BootstrapConfig, stop: StopSignal) -> None:
         while not stop.event.wait(config.summary_period):
             logger.info(swarm_summary(dht, board, config.run_id))
     finally:
-        logger.info("shutting down")
         if dashboard is not None:
-            dashboard.close()
-        dht.shutdown()
+            dashboard.close()  # before the DHT: its poller reads through it
+        if dht is not None:
+            logger.info("shutting down")
+            dht.shutdown()
         sys.stdout.flush()

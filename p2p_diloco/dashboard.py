@@ -33,8 +33,8 @@ from p2p_diloco import assets
 from p2p_diloco.config import DashboardConfig
 from p2p_diloco.errors import NetworkError
 from p2p_diloco.procs import StopSignal
-from p2p_diloco.records import IslandProgress, ProgressBoard, island_metrics
-from p2p_diloco.status import check_initial_peers, finite_or_none, join_as_observer, swarm_snapshot
+from p2p_diloco.records import IslandProgress, finite_or_none, island_metrics
+from p2p_diloco.status import check_initial_peers, island_row, join_as_observer, swarm_snapshot
 
 logger = logging.getLogger(__name__)
 
@@ -123,18 +123,10 @@ class SwarmHistory:
         with self._lock:
             entries = sorted(self.islands.items())
             live = [e.record for _, e in entries if e.departed is None]
-            out = swarm_snapshot(live, self.run_id, now)
-            rows = iter(out["islands"])
-            out["islands"] = []
-            for key, entry in entries:
-                if entry.departed is None:
-                    row = next(rows)
-                else:
-                    row = swarm_snapshot([entry.record], self.run_id, now)["islands"][0]
-                row |= {"key": key, "departed": entry.departed is not None}
-                if entry.departed is not None:
-                    row["departed_s"] = round(now - entry.departed, 1)
-                out["islands"].append(row)
+            out = swarm_snapshot(live, self.run_id, now)  # its totals; rows for live and departed below
+            out["islands"] = [island_row(entry.record, now) | {"key": key, "departed": entry.departed is not None}
+                              | ({"departed_s": round(now - entry.departed, 1)} if entry.departed is not None else {})
+                              for key, entry in entries]
             goodput = [g for g in (finite_or_none(r.goodput) for r in live) if g is not None]
             out["totals"] |= {
                 "islands_alive": len(live),
@@ -331,18 +323,17 @@ def run_dashboard(config: DashboardConfig, stop: StopSignal) -> None:
 
     :raises UserError: no or bad --initial-peers, missing chart files, the port is taken, unreachable peers
     """
-    check_initial_peers(config)
+    peers = check_initial_peers(config)
     dashboard = Dashboard(config.run_id, host=config.host, port=config.port, interval=config.interval,
                           points=config.history, departed_keep=config.departed_keep)
+    dht = None
     try:
-        dht, public_key = join_as_observer(config, stop)
-        try:
-            dashboard.start(ProgressBoard(dht, config.run_id, public_key))
-            print(f"DASHBOARD={dashboard.url}", flush=True)
-            logger.info("dashboard of run %s at %s (metrics at %smetrics)", config.run_id, dashboard.url, dashboard.url)
-            stop.event.wait()
-        finally:
-            dashboard.close()
-            dht.shutdown()
+        dht, board = join_as_observer(config, peers, stop)
+        dashboard.start(board)
+        print(f"DASHBOARD={dashboard.url}", flush=True)
+        logger.info("dashboard of run %s at %s (metrics at %smetrics)", config.run_id, dashboard.url, dashboard.url)
+        stop.event.wait()
     finally:
-        dashboard.close()
+        dashboard.close()  # before the DHT: its poller reads through it
+        if dht is not None:
+            dht.shutdown()

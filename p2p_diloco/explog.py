@@ -33,6 +33,7 @@ class ExperimentLog:
         self.run, self.writer = None, None
         self._last: Optional[tuple] = None
         self._lock = threading.Lock()  # the reporter thread and the island's shutdown both log
+        self._failed = False
         if wandb_project:
             try:
                 import wandb
@@ -65,7 +66,8 @@ class ExperimentLog:
         return self.run is not None or self.writer is not None
 
     def log(self, record: IslandProgress) -> None:
-        """Log a record's metrics at its inner step (a record equal to the last one logged is skipped)."""
+        """Log a record's metrics at its inner step (a record equal to the last one logged is skipped).
+        Never raises: a logging failure is reported once and must not stop the island's records."""
         if not self.enabled:
             return
         metrics = island_metrics(record.dict())
@@ -74,11 +76,16 @@ class ExperimentLog:
             if key == self._last:
                 return
             self._last = key
-            if self.run is not None:
-                self.run.log(metrics, step=record.inner_step)
-            if self.writer is not None:
-                for name, value in metrics.items():
-                    self.writer.add_scalar(name, value, global_step=record.inner_step, walltime=record.time)
+            try:
+                if self.run is not None:
+                    self.run.log(metrics, step=record.inner_step)
+                if self.writer is not None:
+                    for name, value in metrics.items():
+                        self.writer.add_scalar(name, value, global_step=record.inner_step, walltime=record.time)
+            except Exception as e:
+                if not self._failed:
+                    logger.warning("experiment logging failed (the island goes on): %r", e)
+                self._failed = True
 
     def close(self) -> None:
         """Flush and finish (the W&B run is marked finished; its service process ends)."""

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import logging
-import math
 import os
 import queue
 import signal
@@ -31,7 +30,7 @@ from p2p_diloco.fragments import balanced_layout
 from p2p_diloco.learner import Learner
 from p2p_diloco.model import build_model, count_parameters, resolve_spec, run_fingerprint
 from p2p_diloco.procs import StopSignal
-from p2p_diloco.records import IslandProgress, ProgressBoard, make_validators
+from p2p_diloco.records import IslandProgress, ProgressBoard, finite_or_none, make_validators
 from p2p_diloco.syncer import Syncer
 
 logger = logging.getLogger(__name__)
@@ -256,7 +255,6 @@ class Island:
         self.syncer: Optional[Syncer] = None
         self.reporter: Optional[Reporter] = None
         self.explog: Optional[ExperimentLog] = None
-        self._explog_failed = False
         self.status_line: Optional[StatusLine] = None
         self.peer_id, self.maddrs = "", []
 
@@ -477,7 +475,7 @@ class Island:
             island=self.config.island, peer_id=self.peer_id, fingerprint=self.fingerprint, device=self.device_name,
             state=state, maddrs=self.maddrs, inner_step=stats.inner_steps, tokens=stats.tokens,
             tokens_per_second=float(learner.tokens_per_second()),
-            loss=_finite_or_none(stats.loss_ema), eval_loss=_finite_or_none(stats.eval_loss),
+            loss=finite_or_none(stats.loss_ema), eval_loss=finite_or_none(stats.eval_loss),
             fragment_versions=self.syncer.versions, fragment_hashes=self.syncer.hashes,
             rounds_ok=sync.rounds_ok, rounds_failed=sync.rounds_failed, rounds_rejected=sync.rounds_rejected,
             flagged=sorted(list(self.syncer.flagged)),
@@ -489,15 +487,9 @@ class Island:
         )
 
     def _published_record(self, state: str) -> IslandProgress:
-        """The record the reporter publishes, also logged to W&B / TensorBoard when asked for (a
-        logging failure is reported but never keeps the record from being published)."""
+        """The record the reporter publishes, also logged to W&B / TensorBoard when asked for."""
         record = self._record(state)
-        try:
-            self.explog.log(record)
-        except Exception as e:
-            if not self._explog_failed:
-                logger.warning("experiment logging failed (the island goes on): %r", e)
-            self._explog_failed = True
+        self.explog.log(record)
         return record
 
     def _show(self, others: list[IslandProgress], tick: int) -> None:
@@ -616,7 +608,3 @@ def _quietly(action: Callable[[], object], what: str) -> None:
         action()
     except Exception as e:
         logger.warning("%s failed: %r", what, e)
-
-
-def _finite_or_none(value: Optional[float]) -> Optional[float]:
-    return float(value) if value is not None and math.isfinite(value) else None

@@ -135,6 +135,12 @@ class ProgressBoard:
         return sorted(records, key=lambda r: r.island)
 
 
+def finite_or_none(value):
+    """``value``, or None for a NaN or infinite float (no eval yet, a diverged loss, a faulty peer's
+    record: JSON and the metrics get null, never NaN)."""
+    return None if isinstance(value, float) and not math.isfinite(value) else value
+
+
 METRICS = ("inner_step", "tokens", "tokens_per_second", "loss", "eval_loss", "rounds_ok", "rounds_failed",
            "rounds_rejected", "utilization", "goodput", "bytes_sent", "bytes_received", "bytes_per_token")
 
@@ -146,4 +152,5 @@ def island_metrics(record: Mapping) -> dict[str, float]:
     without a finite value (no eval yet; a NaN from a faulty peer) are left out."""
     values = {name: record.get(name) for name in METRICS}
     values["bytes_per_token"] = record["bytes_sent"] / record["tokens"] if record.get("tokens") else None
-    return {name: float(value) for name, value in values.items() if value is not None and math.isfinite(value)}
+    values = {name: finite_or_none(value) for name, value in values.items()}
+    return {name: float(value) for name, value in values.items() if value is not None}

@@ -3,29 +3,28 @@
 from __future__ import annotations
 
 import json
-import math
 import time
 
 from p2p_diloco import transport
 from p2p_diloco.config import StatusConfig
 from p2p_diloco.errors import ConfigError
 from p2p_diloco.procs import StopSignal
-from p2p_diloco.records import IslandProgress, ProgressBoard, make_validators
+from p2p_diloco.records import IslandProgress, ProgressBoard, finite_or_none, make_validators
 
 
-def finite_or_none(value):
-    """``value``, or None for a NaN or infinite float (a faulty peer's record must not break JSON)."""
-    return None if isinstance(value, float) and not math.isfinite(value) else value
+def island_row(record: IslandProgress, now: float) -> dict:
+    """One island of ``status --json``: its record (non-finite numbers as null), ``last_seen_s`` and
+    ``bytes_per_token`` (bytes sent / tokens trained)."""
+    return ({k: finite_or_none(v) for k, v in record.dict().items()}
+            | {"last_seen_s": round(max(0.0, now - record.time), 2),
+               "bytes_per_token": round(record.bytes_sent / record.tokens, 3) if record.tokens else None})
 
 
 def swarm_snapshot(records: list[IslandProgress], run_id: str, now: float | None = None) -> dict:
     """The JSON view of ``status --json``: every live island's record plus swarm totals (non-finite
     numbers become null)."""
     now = time.time() if now is None else now
-    islands = [{k: finite_or_none(v) for k, v in r.dict().items()}
-               | {"last_seen_s": round(max(0.0, now - r.time), 2),
-                  "bytes_per_token": round(r.bytes_sent / r.tokens, 3) if r.tokens else None}
-               for r in records]
+    islands = [island_row(r, now) for r in records]
     tokens = sum(r.tokens for r in records)
     training = [r for r in records if r.state == "training"]
     totals = {
@@ -83,26 +82,25 @@ def check_initial_peers(config) -> list:
     return transport.parse_maddrs(config.initial_peers, what="--initial-peers", need_peer_id=True)
 
 
-def join_as_observer(config, stop: StopSignal) -> tuple:
+def join_as_observer(config, peers: list, stop: StopSignal) -> tuple:
     """Start a client-mode DHT (it stores nothing, serves nothing) that validates the run's records;
-    returns (dht, this process's public key). ``config``: a Status or Dashboard config.
+    returns (dht, the run's :class:`ProgressBoard`). ``config``: a Status or Dashboard config;
+    ``peers``: :func:`check_initial_peers`'s.
 
-    :raises UserError: no or bad --initial-peers, unreachable peers, an interruption while joining
+    :raises UserError: unreachable peers, an interruption while joining
     """
-    peers = check_initial_peers(config)
     validators, public_key = make_validators(config.run_id)
     dht = transport.start_dht(
         initial_peers=peers, host_maddrs=["/ip4/127.0.0.1/tcp/0"], client_mode=True,
         record_validators=validators, join_timeout=config.join_timeout, stop_event=stop.event,
     )
-    return dht, public_key
+    return dht, ProgressBoard(dht, config.run_id, public_key)
 
 
 def run_status(config: StatusConfig, stop: StopSignal) -> None:
     """Print the run's status once, or refresh it every ``interval`` seconds with ``--watch``."""
-    dht, public_key = join_as_observer(config, stop)
+    dht, board = join_as_observer(config, check_initial_peers(config), stop)
     try:
-        board = ProgressBoard(dht, config.run_id, public_key)
         if config.watch and not config.json_output:
             from rich.live import Live
 
