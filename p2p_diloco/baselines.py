@@ -43,7 +43,7 @@ from p2p_diloco import data as data_lib
 from p2p_diloco.config import InnerConfig, ModelConfig
 from p2p_diloco.events import EventLog
 from p2p_diloco.fragments import balanced_layout
-from p2p_diloco.learner import Learner
+from p2p_diloco.learner import Learner, lr_factor
 from p2p_diloco.model import build_model, count_parameters, resolve_spec
 
 logger = logging.getLogger("p2p_diloco.baselines")
@@ -109,6 +109,13 @@ def make_learner(rank: int, *, preset: str = "tiny", seed: int = ModelConfig().s
     return learner, params
 
 
+def inner_config(args: argparse.Namespace) -> InnerConfig:
+    """Every arm's inner AdamW: ``--inner-lr``, ``--warmup-steps`` and ``--lr-schedule`` (a cosine
+    decays over the learner's ``--steps``)."""
+    return InnerConfig(lr=args.inner_lr, warmup_steps=args.warmup_steps, schedule=args.lr_schedule,
+                       decay_steps=args.steps)
+
+
 def build_learner(args: argparse.Namespace, wrap: Callable[[torch.nn.Module], torch.nn.Module] = lambda m: m,
                   meter: Optional[Meter] = None) -> tuple[Learner, EventLog, int]:
     """The learner of ``--rank`` (:func:`make_learner`) with its event log, whose step events carry
@@ -121,7 +128,7 @@ def build_learner(args: argparse.Namespace, wrap: Callable[[torch.nn.Module], to
     meter = meter or Meter()
     learner, params = make_learner(args.rank, preset=args.preset, seed=args.seed, shards=args.shards,
                                    eval_batches=args.eval_batches,
-                                   inner=InnerConfig(lr=args.inner_lr, warmup_steps=args.warmup_steps),
+                                   inner=inner_config(args),
                                    wrap=wrap, events=lambda e: events(meter.annotate(e)))
     return learner, events, params
 
@@ -291,8 +298,7 @@ def run_hivemind(args: argparse.Namespace, stop) -> None:
     dht = hivemind.DHT(initial_peers=args.initial_peers, host_maddrs=["/ip4/127.0.0.1/tcp/0"], start=True)
     # the learner's own AdamW groups (weight decay on matrices only) and settings, run by hivemind
     groups = [{"params": g["params"], "weight_decay": g["weight_decay"]} for g in learner.optimizer.param_groups]
-    inner = InnerConfig(lr=args.inner_lr, warmup_steps=args.warmup_steps)
-    warmup = learner.scheduler.lr_lambdas[0]  # LR factor after a number of steps
+    inner = inner_config(args)
     opt = hivemind.Optimizer(
         dht=dht, run_id=args.run_id, params=groups,
         optimizer=partial(torch.optim.AdamW, lr=inner.lr, betas=(inner.beta1, inner.beta2), eps=1e-8),
@@ -307,8 +313,8 @@ def run_hivemind(args: argparse.Namespace, stop) -> None:
     torch_opt.register_step_post_hook(lambda *a: core.__setitem__("seconds", time.perf_counter() - core["start"]))
 
     class Stepper:
-        """What the learner calls as its optimizer: hivemind's step, timed; warm-up by hand (an
-        LR scheduler would step per hivemind epoch, not per inner step)."""
+        """What the learner calls as its optimizer: hivemind's step, timed; the learning rate set by
+        hand (an LR scheduler would step per hivemind epoch, not per inner step)."""
 
         def __init__(self):
             self.count = 0
@@ -316,7 +322,7 @@ def run_hivemind(args: argparse.Namespace, stop) -> None:
 
         def step(self):
             for group in opt.param_groups:
-                group["lr"] = inner.lr * warmup(self.count)
+                group["lr"] = inner.lr * lr_factor(inner, self.count)
             self.count += 1
             core["seconds"] = 0.0
             began = time.perf_counter()
@@ -441,6 +447,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--seed", type=int, default=ModelConfig().seed)
     parser.add_argument("--inner-lr", type=float, default=InnerConfig().lr)
     parser.add_argument("--warmup-steps", type=int, default=20)
+    parser.add_argument("--lr-schedule", choices=("constant", "cosine"), default="constant",
+                        help="inner learning rate after warm-up (cosine: decays to 0.1 x over --steps)")
     parser.add_argument("--outer-lr", type=float, default=1.0)
     parser.add_argument("--outer-momentum", type=float, default=0.0)
     parser.add_argument("--eval-every-steps", type=int, default=50)

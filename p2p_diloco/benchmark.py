@@ -80,6 +80,8 @@ class Bench:
     shards: int = 1  # 1: every learner samples the whole training split (i.i.d.); N: learner r gets shard r mod N
     outer_lr: float = 1.0  # outer SGD of torchft and our islands (hivemind averages: lr 1, no momentum)
     outer_momentum: float = 0.0
+    inner_lr: float = 3e-3  # every arm's inner AdamW peak learning rate
+    schedule: str = "constant"  # every arm's inner learning rate after warm-up: constant or cosine (over its steps)
     rate: str = ""  # tc rate of every learner's link (e.g. "50mbit"): each learner in its own namespace
 
     def __post_init__(self):
@@ -209,7 +211,8 @@ def _common(arm: Arm, steps: int) -> list[str]:
     bench = arm.bench
     return ["--world", str(bench.learners), "--shards", str(bench.shards), "--steps", str(steps), "--h", str(bench.h),
             "--eval-every-steps", str(bench.eval_every_steps), "--eval-batches", str(bench.eval_batches),
-            "--warmup-steps", "20", "--outer-lr", str(bench.outer_lr), "--outer-momentum", str(bench.outer_momentum)]
+            "--warmup-steps", "20", "--inner-lr", str(bench.inner_lr), "--lr-schedule", bench.schedule,
+            "--outer-lr", str(bench.outer_lr), "--outer-momentum", str(bench.outer_momentum)]
 
 
 def ours_args(name: str, bench: Bench) -> list[str]:
@@ -224,6 +227,7 @@ def ours_args(name: str, bench: Bench) -> list[str]:
     """
     period = bench.period()
     common = ["--preset", "tiny", "--device", "cpu", "--threads", "1", "--inner-warmup-steps", "20",
+              "--inner-lr", str(bench.inner_lr), "--inner-schedule", bench.schedule,
               "--eval-batches", str(bench.eval_batches), "--eval-every", str(bench.eval_seconds),
               "--outer-lr", str(bench.outer_lr), "--outer-momentum", str(bench.outer_momentum),
               "--outer-period", str(period), "--progress-period", "2", "--progress-ttl", "10", "--join-timeout", "60"]

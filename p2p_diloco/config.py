@@ -82,6 +82,12 @@ class InnerConfig(_Section):
     beta1: float = Field(0.9, ge=0.0, lt=1.0, description="AdamW beta1")
     beta2: float = Field(0.95, ge=0.0, lt=1.0, description="AdamW beta2")
     warmup_steps: int = Field(50, ge=0, description="linear learning-rate warm-up, in inner steps")
+    schedule: Literal["constant", "cosine"] = Field(
+        "constant", description="learning rate after warm-up: constant, or cosine decay to min_lr_ratio x lr at "
+        "decay_steps (arXiv 2311.08105, Sec. 4)",
+    )
+    decay_steps: int = Field(0, ge=0, description="cosine: the inner step at which the decay ends (0: max_steps)")
+    min_lr_ratio: float = Field(0.1, ge=0.0, le=1.0, description="cosine: final learning rate / peak")
     batch_size: Optional[int] = Field(None, gt=0, description="sequences per inner step (default: the preset's)")
     grad_clip: float = Field(1.0, ge=0.0, description="gradient-norm clip (0 disables)")
 
@@ -222,6 +228,10 @@ class PeerConfig(_Section):
             raise ValueError("outer.request_timeout must be smaller than half of outer.matchmaking_time")
         if self.progress_ttl <= self.progress_period:
             raise ValueError("progress_ttl must be longer than progress_period")
+        if self.inner.schedule == "cosine" and not self.inner.decay_steps:
+            if not self.max_steps:
+                raise ValueError("--inner-schedule cosine needs a horizon: --inner-decay-steps or --max-steps")
+            self.inner.decay_steps = self.max_steps
         if self.debug_corrupt_on_signal and not self.debug_corrupt_outer:
             raise ValueError("debug_corrupt_on_signal needs debug_corrupt_outer (what to send once faulty)")
         return self

@@ -29,6 +29,27 @@ from p2p_diloco.syncer import OuterUpdate, Snapshot
 logger = logging.getLogger(__name__)
 
 
+def lr_factor(inner: InnerConfig, step: int) -> float:
+    """The inner learning rate at inner step ``step`` (0-based) as a fraction of ``inner.lr``: linear
+    warm-up over ``warmup_steps``, then constant, or (``schedule="cosine"``) a cosine decay that reaches
+    ``min_lr_ratio`` at ``decay_steps`` and stays there (arXiv 2311.08105, Sec. 4: cosine schedule
+    with linear warm-up).
+
+    :raises ValueError: for a cosine schedule without ``decay_steps`` (PeerConfig fills it from
+        ``max_steps``)
+    """
+    warmup = inner.warmup_steps
+    if warmup and step < warmup:
+        return (step + 1) / warmup
+    if inner.schedule == "constant":
+        return 1.0
+    if not inner.decay_steps:
+        raise ValueError("a cosine inner schedule needs decay_steps")
+    progress = min(1.0, (step - warmup) / max(1, inner.decay_steps - warmup))
+    low = inner.min_lr_ratio
+    return low + (1.0 - low) * 0.5 * (1.0 + math.cos(math.pi * progress))
+
+
 @dataclass
 class _SnapshotRequest:
     fragment: int
@@ -110,10 +131,7 @@ class Learner:
             [{"params": decay, "weight_decay": inner.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
             lr=inner.lr, betas=(inner.beta1, inner.beta2), eps=1e-8,
         )
-        warmup = inner.warmup_steps
-        self.scheduler = torch.optim.lr_scheduler.LambdaLR(
-            self.optimizer, lambda step: min(1.0, (step + 1) / warmup) if warmup else 1.0
-        )
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lambda step: lr_factor(inner, step))
         self.grad_clip = inner.grad_clip
         self.autocast = device.type == "cuda"
         self.stats = LearnerStats()

@@ -28,6 +28,10 @@ def parser_with_common_flags(doc: str, *, steps: int, arms, period_help: str) ->
     parser.add_argument("--outer-lr", type=float, default=1.0, help="outer SGD lr of torchft and ours (default 1)")
     parser.add_argument("--outer-momentum", type=float, default=0.0,
                         help="outer Nesterov momentum of torchft and ours (default 0: plain averaging, as hivemind)")
+    parser.add_argument("--inner-lr", type=float, default=3e-3, help="every arm's inner AdamW peak lr (default 3e-3)")
+    parser.add_argument("--lr-schedule", choices=("constant", "cosine"), default="constant",
+                        help="every arm's inner learning rate after warm-up: constant, or a cosine decay to 0.1 x "
+                        "over each learner's steps (default constant)")
     parser.add_argument("--ours-period", type=float, default=0.0, help=period_help)
     parser.add_argument("--arms", nargs="+", default=list(arms), choices=arms, metavar="ARM",
                         help=f"arms to run, in order (default: {' '.join(arms)})")
@@ -42,8 +46,8 @@ def bench_from_args(parser: argparse.ArgumentParser, args: argparse.Namespace, n
         parser.error("--learners must be at least 2")
     if args.steps < 4 or args.h < 1 or args.eval_every_steps < 1 or args.eval_batches < 1 or args.shards < 1:
         parser.error("--steps must be at least 4; --h, --eval-every-steps, --eval-batches and --shards at least 1")
-    if args.timeout <= 0 or args.eval_seconds <= 0 or args.ours_period < 0 or extra.get("restart_after", 0) < 0:
-        parser.error("--timeout and --eval-seconds must be positive, --ours-period and --restart-after not negative")
+    if args.timeout <= 0 or args.eval_seconds <= 0 or args.inner_lr <= 0 or args.ours_period < 0 or extra.get("restart_after", 0) < 0:
+        parser.error("--timeout, --eval-seconds and --inner-lr must be positive, --ours-period and --restart-after not negative")
     if len(set(args.arms)) != len(args.arms):
         parser.error("an arm is named twice in --arms")
     out = Path(args.out or f"runs/bench/{name}-{time.strftime('%Y%m%d-%H%M%S')}")
@@ -52,7 +56,7 @@ def bench_from_args(parser: argparse.ArgumentParser, args: argparse.Namespace, n
         parser.error(f"--out {out} is not empty: give a new folder (or remove it)")
     return Bench(out=out, learners=args.learners, steps=args.steps, h=args.h, eval_every_steps=args.eval_every_steps,
                  eval_seconds=args.eval_seconds, eval_batches=args.eval_batches, shards=args.shards,
-                 outer_lr=args.outer_lr, outer_momentum=args.outer_momentum, ours_period=args.ours_period,
+                 outer_lr=args.outer_lr, outer_momentum=args.outer_momentum, inner_lr=args.inner_lr, schedule=args.lr_schedule, ours_period=args.ours_period,
                  timeout=args.timeout, **extra)
 
 

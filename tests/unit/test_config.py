@@ -97,3 +97,12 @@ def test_codec_and_merge_choices_are_checked():
         OuterConfig(codec="int3")
     with pytest.raises(Exception, match="merge"):
         OuterConfig(merge="median")
+
+
+def test_cosine_schedule_takes_its_horizon_from_max_steps_or_needs_one():
+    config = _peer(BASE + ["--inner-schedule", "cosine", "--max-steps", "300"])
+    assert config.inner.decay_steps == 300
+    config = _peer(BASE + ["--inner-schedule", "cosine", "--inner-decay-steps", "80", "--max-steps", "300"])
+    assert config.inner.decay_steps == 80
+    with pytest.raises(ConfigError, match="--inner-decay-steps or --max-steps"):
+        _peer(BASE + ["--inner-schedule", "cosine"])

@@ -3,12 +3,13 @@
 import threading
 
 import numpy as np
+import pytest
 import torch
 
 from p2p_diloco.config import InnerConfig
 from p2p_diloco.data import BatchSampler
 from p2p_diloco.fragments import balanced_layout
-from p2p_diloco.learner import Learner
+from p2p_diloco.learner import Learner, lr_factor
 from p2p_diloco.model import ModelSpec, build_model
 from p2p_diloco.syncer import OuterUpdate
 
@@ -16,12 +17,12 @@ SPEC = ModelSpec(hidden_size=16, num_layers=1, num_heads=2, intermediate_size=32
                  batch_size=2)
 
 
-def _learner():
+def _learner(inner=InnerConfig(warmup_steps=0)):
     model = build_model(SPEC, 64, seed=0)
     layout = balanced_layout([(n, p.numel()) for n, p in model.named_parameters()], 2)
     sampler = BatchSampler(np.arange(1000) % 64, 2, 8, seed=0, island="t")
     return Learner(model=model, layout=layout, next_batch=sampler.next_batch, eval_data=[sampler.next_batch()],
-                   device=torch.device("cpu"), inner=InnerConfig(warmup_steps=0))
+                   device=torch.device("cpu"), inner=inner)
 
 
 def _request_in_background(learner, fragment, timeout=5.0):
@@ -118,3 +119,20 @@ def test_a_snapshot_forces_only_its_own_fragments_held_updates():
     learner.apply_updates(fragment=1)  # a snapshot of fragment 1 is asked for
     assert learner.stats.updates_applied == 2 and len(learner._held) == 1
     assert all(torch.equal(p.detach(), torch.zeros_like(p)) for p in learner.fragment_params[1])
+
+
+def test_lr_factor_warms_up_then_holds_or_decays_by_cosine():
+    constant = InnerConfig(warmup_steps=10)
+    assert [lr_factor(constant, s) for s in (0, 4, 9, 10, 10_000)] == [0.1, 0.5, 1.0, 1.0, 1.0]
+    cosine = InnerConfig(warmup_steps=10, schedule="cosine", decay_steps=110, min_lr_ratio=0.2)
+    assert lr_factor(cosine, 9) == 1.0 and lr_factor(cosine, 10) == 1.0
+    assert lr_factor(cosine, 60) == pytest.approx(0.6)  # halfway: (1 + 0.2) / 2
+    assert lr_factor(cosine, 110) == pytest.approx(0.2) and lr_factor(cosine, 500) == pytest.approx(0.2)
+    factors = [lr_factor(cosine, s) for s in range(10, 111)]
+    assert all(a >= b for a, b in zip(factors, factors[1:]))
+    with pytest.raises(ValueError, match="decay_steps"):
+        lr_factor(InnerConfig(warmup_steps=0, schedule="cosine"), 5)
+    learner = _learner(InnerConfig(warmup_steps=0, schedule="cosine", decay_steps=4, min_lr_ratio=0.5))
+    stop = threading.Event()
+    learner.run(stop, max_steps=4)
+    assert learner.optimizer.param_groups[0]["lr"] == pytest.approx(learner.optimizer.defaults["lr"] * 0.5)
