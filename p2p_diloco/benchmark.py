@@ -196,7 +196,7 @@ def start_arm(arm: Arm, *, restart: Optional[str] = None, steps: Optional[int] =
             if arm.name == "hivemind":
                 args += ["--initial-peers", *arm.initial_peers, "--run-id", "bench"]
                 if bench.fast_rounds():  # a lone restarted peer must not wait 10 s per failed round
-                    args += ["--matchmaking-time", "1.5", "--averaging-timeout", "4"]
+                    args += ["--matchmaking-time", "1.0", "--averaging-timeout", "2"]
             else:
                 args += ["--lighthouse", arm.initial_peers[0]]
             arm.islands[name] = arm._spawn(name, args, module="p2p_diloco.baselines")

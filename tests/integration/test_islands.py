@@ -17,7 +17,7 @@ pytestmark = pytest.mark.integration
 def test_lone_island_trains_and_its_loss_falls(tmp_path):
     swarm = LocalSwarm(tmp_path, run_id="lone")
     try:
-        swarm.start_island("solo", *FAST, "--max-minutes", "0.6", initial_peers=[])
+        swarm.start_island("solo", *FAST, "--max-minutes", "0.45", initial_peers=[])
         assert swarm.wait_islands(180) == {"solo": 0}
     finally:
         swarm.close()
@@ -35,8 +35,8 @@ def test_islands_with_a_2x_speed_difference_meet_in_the_same_rounds(tmp_path):
     swarm = LocalSwarm(tmp_path, run_id="speeds")
     try:
         swarm.start_bootstrap()
-        swarm.start_island("fast", *FAST, "--max-minutes", "0.8", "--data-shard-index", "0")
-        swarm.start_island("slow", *FAST, "--max-minutes", "0.8", "--data-shard-index", "1", "--slowdown", "2")
+        swarm.start_island("fast", *FAST, "--max-minutes", "0.7", "--data-shard-index", "0")
+        swarm.start_island("slow", *FAST, "--max-minutes", "0.7", "--data-shard-index", "1", "--slowdown", "2")
         assert swarm.wait_islands(240) == {"fast": 0, "slow": 0}
     finally:
         swarm.close()
@@ -94,7 +94,7 @@ def test_rounds_wait_for_the_quorum_until_the_grace_window_ends(tmp_path):
     try:
         swarm.start_bootstrap()
         for index, name in enumerate(["q0", "q1"]):
-            swarm.start_island(name, *FAST, "--max-minutes", "0.4", "--data-shard-index", str(index),
+            swarm.start_island(name, *FAST, "--max-minutes", "0.3", "--data-shard-index", str(index),
                                "--outer-quorum", "3", "--outer-grace-window", "0.9")
         assert swarm.wait_islands(180) == {"q0": 0, "q1": 0}
     finally:
