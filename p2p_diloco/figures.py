@@ -57,14 +57,14 @@ def step_intervals(events: Iterable[dict]) -> list[Interval]:
     return [(e["t"] - e["dt"], e["t"]) for e in events if e.get("event") == "step"]
 
 
-def global_downtime(steps: Mapping[str, Sequence[Interval]], alive: Mapping[str, Sequence[Interval]],
+def global_downtime(work: Mapping[str, Sequence[Interval]], alive: Mapping[str, Sequence[Interval]],
                     start: float, end: float, min_gap: float = 1.0) -> tuple[float, list[Interval]]:
-    """Time in [start, end] during which no island was inside an inner step while at least one
-    island was alive (up, frozen or not). Idle stretches shorter than ``min_gap`` seconds are the
-    ordinary bookkeeping between two steps of a lone island and do not count.
-    Returns (seconds, the idle intervals counted)."""
+    """Time in [start, end] during which no island was working (inside an inner step or a held-out
+    evaluation) while at least one island was alive (up, frozen or not). Idle stretches shorter
+    than ``min_gap`` seconds are the ordinary bookkeeping between two steps of a lone island and do
+    not count. Returns (seconds, the idle intervals counted)."""
     anyone_alive = clip(merge(i for intervals in alive.values() for i in intervals), start, end)
-    anyone_stepping = merge(i for intervals in steps.values() for i in intervals)
+    anyone_stepping = merge(i for intervals in work.values() for i in intervals)
     idle = [i for i in subtract(anyone_alive, anyone_stepping) if i[1] - i[0] >= min_gap]
     return length(idle), idle
 
@@ -169,7 +169,12 @@ def run_figures(
     running = sum(length(subtract(clip(alive.get(n, []), start, end), frozen.get(n, []))) for n in events)
     loading = sum(length(subtract(clip(loading_intervals(step_intervals(events[n]), alive.get(n, [])), start, end),
                                   frozen.get(n, []))) for n in events)
-    downtime, idle = global_downtime(steps, alive, start, end)
+    # an evaluation is scheduled work, not a stall (as in stall_after): two islands that happen to
+    # evaluate at once while the third is frozen are not downtime
+    work = {name: merge([*island_steps, *subtract(clip(eval_intervals(events[name]), start, end),
+                                                  frozen.get(name, []))])
+            for name, island_steps in steps.items()}
+    downtime, idle = global_downtime(work, alive, start, end)
     stalls = []
     for fault in faults:
         if fault["kind"] not in ("kill", "freeze", "kill_bootstrap", "kill_donor", "corrupt", "cut", "throttle"):

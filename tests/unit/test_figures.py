@@ -83,3 +83,14 @@ def test_a_step_that_straddles_a_freeze_counts_only_its_running_time():
     result = figures.run_figures(events, start=0, end=100, alive={"a": [(0, 100)]}, frozen={"a": [(30, 40)]})
     assert result.useful_seconds == pytest.approx(90.0)
     assert result.alive_utilization == pytest.approx(1.0)
+
+
+def test_islands_evaluating_at_once_are_working_but_an_idle_pause_is_downtime():
+    # c is frozen from 40 to 60; a and b both evaluate from 45 to 47, then both pause from 52 to 54
+    a = _steps(0, 45) + _steps(47, 52) + _steps(54, 100) + [{"event": "eval", "t": 47, "dt": 2.0}]
+    b = _steps(0, 45) + _steps(47, 52) + _steps(54, 100) + [{"event": "eval", "t": 47, "dt": 2.0}]
+    c = _steps(0, 40) + _steps(60, 100)
+    result = figures.run_figures({"a": a, "b": b, "c": c}, start=0, end=100,
+                                 alive={n: [(0, 100)] for n in "abc"}, frozen={"c": [(40, 60)]})
+    assert result.global_downtime == pytest.approx(2.0)
+    assert result.downtime_intervals == [(52, 54)]
