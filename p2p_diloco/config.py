@@ -84,7 +84,7 @@ class InnerConfig(_Section):
     warmup_steps: int = Field(50, ge=0, description="linear learning-rate warm-up, in inner steps")
     schedule: Literal["constant", "cosine"] = Field(
         "constant", description="learning rate after warm-up: constant, or cosine decay to min_lr_ratio x lr at "
-        "decay_steps (arXiv 2311.08105, Sec. 4)",
+        "decay_steps (DiLoCo, arXiv 2311.08105, decays its inner learning rate by a cosine)",
     )
     decay_steps: int = Field(0, ge=0, description="cosine: the inner step at which the decay ends (0: max_steps)")
     min_lr_ratio: float = Field(0.1, ge=0.0, le=1.0, description="cosine: final learning rate / peak")

@@ -32,8 +32,8 @@ logger = logging.getLogger(__name__)
 def lr_factor(inner: InnerConfig, step: int) -> float:
     """The inner learning rate at inner step ``step`` (0-based) as a fraction of ``inner.lr``: linear
     warm-up over ``warmup_steps``, then constant, or (``schedule="cosine"``) a cosine decay that reaches
-    ``min_lr_ratio`` at ``decay_steps`` and stays there (arXiv 2311.08105, Sec. 4: cosine schedule
-    with linear warm-up).
+    ``min_lr_ratio`` at ``decay_steps`` and stays there (DiLoCo, arXiv 2311.08105, warms its inner
+    AdamW up linearly and decays it by a cosine).
 
     :raises ValueError: for a cosine schedule without ``decay_steps`` (PeerConfig fills it from
         ``max_steps``)

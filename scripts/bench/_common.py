@@ -11,6 +11,7 @@ from typing import Callable
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from p2p_diloco.benchmark import Bench  # noqa: E402
+from p2p_diloco.config import InnerConfig  # noqa: E402
 from p2p_diloco.experiment import run_script  # noqa: E402
 
 
@@ -28,7 +29,8 @@ def parser_with_common_flags(doc: str, *, steps: int, arms, period_help: str) ->
     parser.add_argument("--outer-lr", type=float, default=1.0, help="outer SGD lr of torchft and ours (default 1)")
     parser.add_argument("--outer-momentum", type=float, default=0.0,
                         help="outer Nesterov momentum of torchft and ours (default 0: plain averaging, as hivemind)")
-    parser.add_argument("--inner-lr", type=float, default=3e-3, help="every arm's inner AdamW peak lr (default 3e-3)")
+    parser.add_argument("--inner-lr", type=float, default=InnerConfig().lr,
+                        help=f"every arm's inner AdamW peak lr (default {InnerConfig().lr})")
     parser.add_argument("--lr-schedule", choices=("constant", "cosine"), default="constant",
                         help="every arm's inner learning rate after warm-up: constant, or a cosine decay to 0.1 x "
                         "over each learner's steps (default constant)")
@@ -46,8 +48,10 @@ def bench_from_args(parser: argparse.ArgumentParser, args: argparse.Namespace, n
         parser.error("--learners must be at least 2")
     if args.steps < 4 or args.h < 1 or args.eval_every_steps < 1 or args.eval_batches < 1 or args.shards < 1:
         parser.error("--steps must be at least 4; --h, --eval-every-steps, --eval-batches and --shards at least 1")
-    if args.timeout <= 0 or args.eval_seconds <= 0 or args.inner_lr <= 0 or args.ours_period < 0 or extra.get("restart_after", 0) < 0:
-        parser.error("--timeout, --eval-seconds and --inner-lr must be positive, --ours-period and --restart-after not negative")
+    if (args.timeout <= 0 or args.eval_seconds <= 0 or args.inner_lr <= 0 or args.ours_period < 0
+            or extra.get("restart_after", 0) < 0):
+        parser.error("--timeout, --eval-seconds and --inner-lr must be positive, "
+                     "--ours-period and --restart-after not negative")
     if len(set(args.arms)) != len(args.arms):
         parser.error("an arm is named twice in --arms")
     out = Path(args.out or f"runs/bench/{name}-{time.strftime('%Y%m%d-%H%M%S')}")
