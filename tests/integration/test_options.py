@@ -11,7 +11,7 @@ from tests.integration.helpers import FAST, events_of, rounds_by_slot
 pytestmark = pytest.mark.integration
 ISLANDS = ["opt-0", "opt-1", "opt-2"]
 OPTIONS = ["--outer-merge", "rda", "--outer-codec", "int4", "--outer-fragments", "1",
-           "--outer-lr", "1.0", "--outer-momentum", "0", "--max-minutes", "0.8"]
+           "--outer-lr", "1.0", "--outer-momentum", "0", "--max-minutes", "1.0"]
 
 
 @pytest.fixture(scope="module")
