@@ -40,6 +40,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Optional, Sequence
 
+from p2p_diloco.config import InnerConfig
 from p2p_diloco.events import read_events
 from p2p_diloco.experiment import table
 from p2p_diloco.figures import _gaps, global_downtime, merge, typical_gap
@@ -80,7 +81,7 @@ class Bench:
     shards: int = 1  # 1: every learner samples the whole training split (i.i.d.); N: learner r gets shard r mod N
     outer_lr: float = 1.0  # outer SGD of torchft and our islands (hivemind averages: lr 1, no momentum)
     outer_momentum: float = 0.0
-    inner_lr: float = 3e-3  # every arm's inner AdamW peak learning rate
+    inner_lr: float = InnerConfig().lr  # every arm's inner AdamW peak learning rate
     schedule: str = "constant"  # every arm's inner learning rate after warm-up: constant or cosine (over its steps)
     rate: str = ""  # tc rate of every learner's link (e.g. "50mbit"): each learner in its own namespace
 

@@ -228,10 +228,16 @@ class PeerConfig(_Section):
             raise ValueError("outer.request_timeout must be smaller than half of outer.matchmaking_time")
         if self.progress_ttl <= self.progress_period:
             raise ValueError("progress_ttl must be longer than progress_period")
-        if self.inner.schedule == "cosine" and not self.inner.decay_steps:
-            if not self.max_steps:
+        if self.inner.schedule == "cosine":
+            horizon = self.inner.decay_steps or self.max_steps
+            if not horizon:
                 raise ValueError("--inner-schedule cosine needs a horizon: --inner-decay-steps or --max-steps")
-            self.inner.decay_steps = self.max_steps
+            if horizon <= self.inner.warmup_steps:
+                raise ValueError(f"--inner-schedule cosine decays over {horizon} inner steps, no more than the "
+                                 f"{self.inner.warmup_steps}-step warm-up: raise --inner-decay-steps/--max-steps "
+                                 "or lower --inner-warmup-steps")
+            if not self.inner.decay_steps:  # a copy: an InnerConfig the caller passed in stays as it was
+                self.inner = self.inner.model_copy(update={"decay_steps": horizon})
         if self.debug_corrupt_on_signal and not self.debug_corrupt_outer:
             raise ValueError("debug_corrupt_on_signal needs debug_corrupt_outer (what to send once faulty)")
         return self

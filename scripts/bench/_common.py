@@ -33,7 +33,9 @@ def parser_with_common_flags(doc: str, *, steps: int, arms, period_help: str) ->
                         help=f"every arm's inner AdamW peak lr (default {InnerConfig().lr})")
     parser.add_argument("--lr-schedule", choices=("constant", "cosine"), default="constant",
                         help="every arm's inner learning rate after warm-up: constant, or a cosine decay to 0.1 x "
-                        "over each learner's steps (default constant)")
+                        "over each learner's steps (default constant; in the failure pass a restarted hivemind, "
+                        "torchft or ours learner warms up again and decays over the steps it has left, while DDP "
+                        "resumes its schedule from its checkpoint)")
     parser.add_argument("--ours-period", type=float, default=0.0, help=period_help)
     parser.add_argument("--arms", nargs="+", default=list(arms), choices=arms, metavar="ARM",
                         help=f"arms to run, in order (default: {' '.join(arms)})")
@@ -60,8 +62,8 @@ def bench_from_args(parser: argparse.ArgumentParser, args: argparse.Namespace, n
         parser.error(f"--out {out} is not empty: give a new folder (or remove it)")
     return Bench(out=out, learners=args.learners, steps=args.steps, h=args.h, eval_every_steps=args.eval_every_steps,
                  eval_seconds=args.eval_seconds, eval_batches=args.eval_batches, shards=args.shards,
-                 outer_lr=args.outer_lr, outer_momentum=args.outer_momentum, inner_lr=args.inner_lr, schedule=args.lr_schedule, ours_period=args.ours_period,
-                 timeout=args.timeout, **extra)
+                 outer_lr=args.outer_lr, outer_momentum=args.outer_momentum, inner_lr=args.inner_lr,
+                 schedule=args.lr_schedule, ours_period=args.ours_period, timeout=args.timeout, **extra)
 
 
 def run(body: Callable[[], None]) -> int:

@@ -106,3 +106,12 @@ def test_cosine_schedule_takes_its_horizon_from_max_steps_or_needs_one():
     assert config.inner.decay_steps == 80
     with pytest.raises(ConfigError, match="--inner-decay-steps or --max-steps"):
         _peer(BASE + ["--inner-schedule", "cosine"])
+
+
+def test_cosine_schedule_must_outlast_the_warm_up_and_leaves_the_callers_inner_config_alone():
+    with pytest.raises(ConfigError, match="warm-up"):
+        _peer(BASE + ["--inner-schedule", "cosine", "--max-steps", "30", "--inner-warmup-steps", "50"])
+    inner = cfg.InnerConfig(schedule="cosine", warmup_steps=10)
+    assert cfg.PeerConfig(run_id="r", island="i", max_steps=300, inner=inner).inner.decay_steps == 300
+    assert inner.decay_steps == 0
+    assert cfg.PeerConfig(run_id="r", island="i", max_steps=50, inner=inner).inner.decay_steps == 50
