@@ -40,7 +40,7 @@ from typing import Callable, Optional
 import torch
 
 from p2p_diloco import data as data_lib
-from p2p_diloco.config import InnerConfig, ModelConfig
+from p2p_diloco.config import LR_SCHEDULES, InnerConfig, ModelConfig
 from p2p_diloco.events import EventLog
 from p2p_diloco.fragments import balanced_layout
 from p2p_diloco.learner import Learner, lr_factor
@@ -447,8 +447,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--seed", type=int, default=ModelConfig().seed)
     parser.add_argument("--inner-lr", type=float, default=InnerConfig().lr)
     parser.add_argument("--warmup-steps", type=int, default=20)
-    parser.add_argument("--lr-schedule", choices=("constant", "cosine"), default="constant",
-                        help="inner learning rate after warm-up (cosine: decays to 0.1 x over --steps)")
+    parser.add_argument("--lr-schedule", choices=LR_SCHEDULES, default="constant",
+                        help=f"inner learning rate after warm-up (cosine: decays to {InnerConfig().min_lr_ratio} x "
+                        "over --steps)")
     parser.add_argument("--outer-lr", type=float, default=1.0)
     parser.add_argument("--outer-momentum", type=float, default=0.0)
     parser.add_argument("--eval-every-steps", type=int, default=50)

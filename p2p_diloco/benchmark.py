@@ -43,7 +43,7 @@ from typing import Optional, Sequence
 from p2p_diloco.config import InnerConfig
 from p2p_diloco.events import read_events
 from p2p_diloco.experiment import table
-from p2p_diloco.figures import _gaps, global_downtime, merge, typical_gap
+from p2p_diloco.figures import _gaps, eval_intervals, global_downtime, merge, typical_gap
 from p2p_diloco.chaos import EventTail
 from p2p_diloco.localswarm import LocalSwarm, descendants, read_line
 
@@ -347,10 +347,6 @@ def compute_intervals(events: Sequence[dict]) -> list[tuple[float, float]]:
     return [(e["t"] - max(0.0, e["dt"] - e.get("comm", 0.0)), e["t"]) for e in events if e.get("event") == "step"]
 
 
-def eval_spans(events: Sequence[dict]) -> list[tuple[float, float]]:
-    return [(e["t"] - e.get("dt", 0.0), e["t"]) for e in events if e.get("event") == "eval"]
-
-
 def lost_after(events: Sequence[dict], at: float) -> Optional[float]:
     """Seconds a learner's inner loop lost from ``at`` to its end: gaps between compute intervals
     (evaluations excluded) beyond its usual gap, plus the compute time of steps it did again (a step
@@ -358,7 +354,7 @@ def lost_after(events: Sequence[dict], at: float) -> Optional[float]:
     the steps before ``at``, or from the whole run where fewer than 5 came before (a learner that
     started late); a learner that had finished by ``at`` lost 0 s. None with fewer than 3 steps."""
     steps = compute_intervals(events)
-    evals = eval_spans(events)
+    evals = eval_intervals(events)
     if len(steps) < 3:
         return None
     before = [s for s in steps if s[1] <= at]
@@ -381,7 +377,7 @@ def learner_utilization(events: Sequence[dict]) -> Optional[float]:
         return None
     raw = [e for e in events if e.get("event") == "step"]
     span = (raw[0]["t"] - raw[0]["dt"], raw[-1]["t"])
-    evals = sum(b - a for a, b in merge(eval_spans(events)) if a >= span[0] and b <= span[1])
+    evals = sum(b - a for a, b in merge(eval_intervals(events)) if a >= span[0] and b <= span[1])
     busy = sum(b - a for a, b in steps)
     return busy / max(1e-9, span[1] - span[0] - evals)
 
@@ -405,7 +401,7 @@ def arm_figures(name: str, events: dict[str, list[dict]], summaries: dict[str, d
     sent = sum(s.get("bytes_sent", 0) for s in summaries.values())
     trained = sum(s.get("tokens", 0) for s in summaries.values())
     # an evaluation is work, not downtime (every learner evaluates at about the same time)
-    compute = {n: compute_intervals(evs) + eval_spans(evs) for n, evs in events.items()}
+    compute = {n: compute_intervals(evs) + eval_intervals(evs) for n, evs in events.items()}
     downtime, _ = (global_downtime(compute, {"arm": [(min(starts), max(ends))]}, min(starts), max(ends))
                    if starts else (None, []))
     lost = {n: lost_after(evs, mid) for n, evs in events.items() if n != victim} if mid else {}

@@ -74,6 +74,9 @@ class DataConfig(_Section):
     shard_index: int = Field(-1, ge=-1, description="this island's shard (-1: chosen from the island name)")
 
 
+LR_SCHEDULES = ("constant", "cosine")  # the inner learning rate after warm-up (learner.lr_factor)
+
+
 class InnerConfig(_Section):
     """The inner optimizer (AdamW) of each island (arXiv 2311.08105, Alg. 1)."""
 
@@ -82,7 +85,7 @@ class InnerConfig(_Section):
     beta1: float = Field(0.9, ge=0.0, lt=1.0, description="AdamW beta1")
     beta2: float = Field(0.95, ge=0.0, lt=1.0, description="AdamW beta2")
     warmup_steps: int = Field(50, ge=0, description="linear learning-rate warm-up, in inner steps")
-    schedule: Literal["constant", "cosine"] = Field(
+    schedule: Literal[LR_SCHEDULES] = Field(
         "constant", description="learning rate after warm-up: constant, or cosine decay to min_lr_ratio x lr at "
         "decay_steps (DiLoCo, arXiv 2311.08105, decays its inner learning rate by a cosine)",
     )

@@ -47,6 +47,15 @@ class _Island:
     points: list = field(default_factory=list)  # (tokens, loss, eval_loss), tokens increasing
 
 
+def _history_row(key: str, island: _Island, now: float) -> dict:
+    """One row of ``/api/status``: the island's ``status --json`` row, its ``key`` and ``departed``,
+    and once departed, ``departed_s`` (seconds since)."""
+    row = island_row(island.record, now) | {"key": key, "departed": island.departed is not None}
+    if island.departed is not None:
+        row["departed_s"] = round(now - island.departed, 1)
+    return row
+
+
 def _thin(series: list, limit: int) -> None:
     """Keep ``series`` within ``limit`` items by dropping every other one of its older half: the whole
     run stays visible, at a coarser resolution the longer it runs."""
@@ -124,9 +133,7 @@ class SwarmHistory:
             entries = sorted(self.islands.items())
             live = [e.record for _, e in entries if e.departed is None]
             out = swarm_snapshot(live, self.run_id, now)  # its totals; rows for live and departed below
-            out["islands"] = [island_row(entry.record, now) | {"key": key, "departed": entry.departed is not None}
-                              | ({"departed_s": round(now - entry.departed, 1)} if entry.departed is not None else {})
-                              for key, entry in entries]
+            out["islands"] = [_history_row(key, entry, now) for key, entry in entries]
             goodput = [g for g in (finite_or_none(r.goodput) for r in live) if g is not None]
             out["totals"] |= {
                 "islands_alive": len(live),

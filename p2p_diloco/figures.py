@@ -64,8 +64,8 @@ def global_downtime(work: Mapping[str, Sequence[Interval]], alive: Mapping[str, 
     than ``min_gap`` seconds are the ordinary bookkeeping between two steps of a lone island and do
     not count. Returns (seconds, the idle intervals counted)."""
     anyone_alive = clip(merge(i for intervals in alive.values() for i in intervals), start, end)
-    anyone_stepping = merge(i for intervals in work.values() for i in intervals)
-    idle = [i for i in subtract(anyone_alive, anyone_stepping) if i[1] - i[0] >= min_gap]
+    anyone_working = merge(i for intervals in work.values() for i in intervals)
+    idle = [i for i in subtract(anyone_alive, anyone_working) if i[1] - i[0] >= min_gap]
     return length(idle), idle
 
 

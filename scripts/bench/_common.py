@@ -11,7 +11,7 @@ from typing import Callable
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from p2p_diloco.benchmark import Bench  # noqa: E402
-from p2p_diloco.config import InnerConfig  # noqa: E402
+from p2p_diloco.config import LR_SCHEDULES, InnerConfig  # noqa: E402
 from p2p_diloco.experiment import run_script  # noqa: E402
 
 
@@ -31,8 +31,9 @@ def parser_with_common_flags(doc: str, *, steps: int, arms, period_help: str) ->
                         help="outer Nesterov momentum of torchft and ours (default 0: plain averaging, as hivemind)")
     parser.add_argument("--inner-lr", type=float, default=InnerConfig().lr,
                         help=f"every arm's inner AdamW peak lr (default {InnerConfig().lr})")
-    parser.add_argument("--lr-schedule", choices=("constant", "cosine"), default="constant",
-                        help="every arm's inner learning rate after warm-up: constant, or a cosine decay to 0.1 x "
+    parser.add_argument("--lr-schedule", choices=LR_SCHEDULES, default="constant",
+                        help="every arm's inner learning rate after warm-up: constant, or a cosine decay to "
+                        f"{InnerConfig().min_lr_ratio} x "
                         "over each learner's steps (default constant; in the failure pass a restarted hivemind, "
                         "torchft or ours learner warms up again and decays over the steps it has left, while DDP "
                         "resumes its schedule from its checkpoint)")
