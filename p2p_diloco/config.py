@@ -2,9 +2,11 @@
 
 Each field has a description (shown by ``--help``) and is settable three ways, later ones winning:
 its default, a TOML file (``--config FILE.toml``; sections ``[model]``, ``[data]``, ``[inner]``,
-``[outer]``) and a command-line flag. Top-level fields map to ``--field-name``; section fields to
-``--section-field-name`` (``outer.period`` -> ``--outer-period``). A few common fields also have short
-aliases (``--data``, ``--tokenizer``, ``--preset``).
+``[outer]``, ``[eval]``, ``[checkpoint]``, ``[progress]``, ``[logging]``) and a command-line flag
+(:mod:`p2p_diloco.flags`). Top-level fields map to ``--field-name``; section fields to
+``--section-field-name`` (``outer.period`` -> ``--outer-period``), except where a field names its
+flags (``logging.summary_json`` -> ``--summary-json``). A few common fields also have short aliases
+(``--data``, ``--tokenizer``, ``--preset``).
 
 Invalid values raise :class:`~p2p_diloco.errors.ConfigError` whose message names the field, its flag
 and the value given.
@@ -12,21 +14,12 @@ and the value given.
 
 from __future__ import annotations
 
-import argparse
 import re
-import types
-import typing
-from pathlib import Path
-from typing import Any, Literal, Optional, Union
+from typing import Literal, Optional
 
-try:
-    import tomllib
-except ModuleNotFoundError:  # Python 3.10
-    import tomli as tomllib
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
-
-from p2p_diloco.errors import ConfigError
+from p2p_diloco.flags import flags_of
 
 RUN_ID_PATTERN = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_-]{0,63}$")
 
@@ -41,6 +34,16 @@ def _check_name(value: str, example: str) -> str:
 
 class _Section(BaseModel):
     model_config = ConfigDict(extra="forbid", validate_assignment=True, validate_default=True)
+
+    def to_flags(self, prefix: tuple[str, ...] = ()) -> list[str]:
+        """The command-line flags that rebuild this configuration: one per field whose value differs
+        from its default, sections included (``--outer-period 8``). :func:`parse_flags` reads them back.
+
+        :param prefix: where this section sits in a larger configuration, e.g. ``("inner",)`` for
+            ``--inner-lr``
+        :raises ValueError: for a value no flag can express (an empty list where the default is not)
+        """
+        return flags_of(self, prefix)
 
 
 class ModelConfig(_Section):
@@ -96,7 +99,7 @@ class InnerConfig(_Section):
 
 
 class OuterConfig(_Section):
-    """The outer loop: fragments, the swarm-wide round clock and the outer optimizer (DESIGN.md)."""
+    """The outer loop: fragments, the swarm-wide round clock and the outer optimizer (docs/DESIGN.md, "The algorithm")."""
 
     lr: float = Field(0.7, gt=0.0, description="outer SGD learning rate (arXiv 2311.08105: 0.7)")
     momentum: float = Field(0.9, ge=0.0, lt=1.0, description="outer SGD momentum (arXiv 2311.08105: 0.9)")
@@ -143,6 +146,45 @@ class OuterConfig(_Section):
         return self.period / self.fragments
 
 
+class CheckpointConfig(_Section):
+    """Periodic checkpoints of the island (global states and its own inner state)."""
+
+    dir: str = Field("", description="save checkpoints here (and resume from the newest valid one at start)")
+    every: float = Field(300.0, gt=0.0, description="seconds between checkpoints (one more at exit)")
+    keep: int = Field(3, ge=1, description="how many checkpoints to keep")
+
+
+class EvalConfig(_Section):
+    """Held-out evaluation of the island's own parameters."""
+
+    every: float = Field(60.0, gt=0.0, description="seconds between eval-loss measurements")
+    batches: int = Field(8, ge=1, description="held-out batches per eval")
+
+
+class ProgressConfig(_Section):
+    """The island's signed progress record on the DHT (what status and the dashboard show)."""
+
+    period: float = Field(2.0, gt=0.0, description="seconds between progress records on the DHT")
+    ttl: float = Field(15.0, gt=0.0, description="seconds a progress record lives without refresh")
+
+
+class LoggingConfig(_Section):
+    """What the island writes besides its progress record: summary, event log, W&B, TensorBoard."""
+
+    summary_json: str = Field("", description="write the run summary here on exit",
+                              json_schema_extra={"flags": ["--summary-json"]})
+    log_jsonl: str = Field("", description="append per-step, per-round and eval events here (JSON lines)",
+                           json_schema_extra={"flags": ["--log-jsonl"]})
+    wandb_project: str = Field("", description="also log metrics to this Weights & Biases project (extra: wandb)",
+                               json_schema_extra={"flags": ["--wandb-project"]})
+    wandb_mode: Literal["", "online", "offline"] = Field(
+        "", description="W&B mode; offline needs no network (upload later with `wandb sync`); default: WANDB_MODE "
+        "or online", json_schema_extra={"flags": ["--wandb-mode"]},
+    )
+    tensorboard_dir: str = Field("", description="also write TensorBoard logs under DIR/<run-id>/<island>/ "
+                                 "(extra: tensorboard)", json_schema_extra={"flags": ["--tensorboard-dir"]})
+
+
 class PeerConfig(_Section):
     """Everything an island peer needs."""
 
@@ -160,52 +202,19 @@ class PeerConfig(_Section):
     threads: int = Field(0, ge=0, description="torch CPU threads (0: torch's default)")
     max_steps: int = Field(0, ge=0, description="stop after this many inner steps (0: no limit)")
     max_minutes: float = Field(0.0, ge=0.0, description="stop after this many minutes of training (0: no limit)")
-    summary_json: str = Field("", description="write the run summary here on exit")
-    log_jsonl: str = Field("", description="append per-step, per-round and eval events here (JSON lines)")
-    wandb_project: str = Field("", description="also log metrics to this Weights & Biases project (extra: wandb)")
-    wandb_mode: Literal["", "online", "offline"] = Field(
-        "", description="W&B mode; offline needs no network (upload later with `wandb sync`); default: WANDB_MODE "
-        "or online",
-    )
-    tensorboard_dir: str = Field("", description="also write TensorBoard logs under DIR/<run-id>/<island>/ "
-                                 "(extra: tensorboard)")
-    eval_every: float = Field(60.0, gt=0.0, description="seconds between eval-loss measurements")
-    eval_batches: int = Field(8, ge=1, description="held-out batches per eval")
-    progress_period: float = Field(2.0, gt=0.0, description="seconds between progress records on the DHT")
-    progress_ttl: float = Field(15.0, gt=0.0, description="seconds a progress record lives without refresh")
     join_timeout: float = Field(60.0, gt=0.0, description="seconds to keep trying to reach peers / download state")
     dht_wait_timeout: float = Field(
         3.0, gt=0.0, le=60.0, description="seconds a DHT request waits for a peer's reply (hivemind's wait_timeout); "
         "lower it on a LAN so that a frozen or cut-off peer delays lookups, and so matchmaking, less",
     )
-    slowdown: float = Field(
-        1.0, ge=1.0, description="simulate a slower device: each inner step takes this many times longer"
-    )
-    slowdown_jitter: float = Field(
-        0.0, ge=0.0, lt=1.0, description="vary each step's slowdown uniformly by this fraction (a device whose "
-        "speed jitters; steps never get faster than the device)",
-    )
-    checkpoint_dir: str = Field(
-        "", description="save checkpoints here (and resume from the newest valid one at start)"
-    )
-    checkpoint_every: float = Field(300.0, gt=0.0, description="seconds between checkpoints (one more at exit)")
-    checkpoint_keep: int = Field(3, ge=1, description="how many checkpoints to keep")
-    debug_corrupt_outer: Literal["", "nan", "inf", "huge"] = Field(
-        "", description="testing only: send NaN, Inf or 1e30 pseudo-gradients, as a faulty island would"
-    )
-    debug_corrupt_on_signal: bool = Field(
-        False, description="testing only: with --debug-corrupt-outer, send garbage only between SIGUSR2s "
-        "(the first turns the island faulty, the next one heals it, and so on)",
-    )
-    debug_donate_delay: float = Field(
-        0.0, ge=0.0, le=10.0,
-        description="testing only: seconds a donor waits before serving a state download (a slow donor; "
-        "chaos runs kill it meanwhile)",
-    )
     model: ModelConfig = Field(default_factory=ModelConfig)
     data: DataConfig = Field(default_factory=DataConfig)
     inner: InnerConfig = Field(default_factory=InnerConfig)
     outer: OuterConfig = Field(default_factory=OuterConfig)
+    eval: EvalConfig = Field(default_factory=EvalConfig)
+    checkpoint: CheckpointConfig = Field(default_factory=CheckpointConfig)
+    progress: ProgressConfig = Field(default_factory=ProgressConfig)
+    logging: LoggingConfig = Field(default_factory=LoggingConfig)
 
     @field_validator("run_id")
     @classmethod
@@ -229,8 +238,8 @@ class PeerConfig(_Section):
             )
         if outer.request_timeout >= outer.matchmaking_time / 2:
             raise ValueError("outer.request_timeout must be smaller than half of outer.matchmaking_time")
-        if self.progress_ttl <= self.progress_period:
-            raise ValueError("progress_ttl must be longer than progress_period")
+        if self.progress.ttl <= self.progress.period:
+            raise ValueError("progress.ttl (--progress-ttl) must be longer than progress.period (--progress-period)")
         if self.inner.schedule == "cosine":
             horizon = self.inner.decay_steps or self.max_steps
             if not horizon:
@@ -241,8 +250,6 @@ class PeerConfig(_Section):
                                  "or lower --inner-warmup-steps")
             if not self.inner.decay_steps:  # a copy: an InnerConfig the caller passed in stays as it was
                 self.inner = self.inner.model_copy(update={"decay_steps": horizon})
-        if self.debug_corrupt_on_signal and not self.debug_corrupt_outer:
-            raise ValueError("debug_corrupt_on_signal needs debug_corrupt_outer (what to send once faulty)")
         return self
 
 
@@ -307,123 +314,3 @@ class DashboardConfig(_ObserverConfig):
     interval: float = Field(1.0, gt=0.0, description="seconds between two reads of the records")
     history: int = Field(1000, ge=2, description="points kept in memory per island and for the swarm series")
     departed_keep: float = Field(60.0, ge=0.0, description="seconds a departed island stays listed (greyed out)")
-
-
-# --------------------------------------------------------------------------------------------
-# flags <-> fields
-
-ALIASES: dict[tuple[str, ...], list[str]] = {
-    ("data", "path"): ["--data"],
-    ("data", "tokenizer"): ["--tokenizer"],
-    ("model", "preset"): ["--preset"],
-}
-
-
-def flag_for(path: tuple[str, ...]) -> str:
-    """The command-line flag of a config field, e.g. ``("outer", "period")`` -> ``--outer-period``."""
-    return "--" + "-".join(part.replace("_", "-") for part in path)
-
-
-def _unwrap_optional(annotation: Any) -> Any:
-    origin = typing.get_origin(annotation)
-    if origin in (Union, types.UnionType):
-        args = [a for a in typing.get_args(annotation) if a is not type(None)]
-        if len(args) == 1:
-            return args[0]
-    return annotation
-
-
-def add_config_arguments(parser: argparse.ArgumentParser, model: type[BaseModel], prefix: tuple[str, ...] = ()) -> None:
-    """Add one flag per field of ``model`` (recursing into sections) to ``parser``.
-
-    Values stay strings (pydantic converts and validates them, so errors name the field); flags
-    that are not given leave no attribute, so TOML values and defaults survive.
-    """
-    for name, field in model.model_fields.items():
-        path = prefix + (name,)
-        annotation = _unwrap_optional(field.annotation)
-        if isinstance(annotation, type) and issubclass(annotation, BaseModel):
-            group = parser.add_argument_group(f"[{name}] {annotation.__doc__.splitlines()[0]}")
-            add_config_arguments(group, annotation, path)
-            continue
-        extra = field.json_schema_extra if isinstance(field.json_schema_extra, dict) else {}
-        flags = list(extra.get("flags", [flag_for(path)])) + ALIASES.get(path, [])
-        dest = "cfg__" + "__".join(path)
-        default = field.get_default(call_default_factory=True)
-        help_text = (field.description or "") + (f" (default: {default})" if default not in ("", None, []) else "")
-        kwargs: dict[str, Any] = dict(dest=dest, default=argparse.SUPPRESS, help=help_text)
-        origin = typing.get_origin(annotation)
-        if annotation is bool:
-            kwargs["action"] = argparse.BooleanOptionalAction
-        elif origin is list:
-            kwargs["nargs"] = "+"
-            kwargs["metavar"] = name.upper().rstrip("S")
-        elif origin is Literal:
-            kwargs["choices"] = list(typing.get_args(annotation))
-        else:
-            kwargs["metavar"] = {int: "N", float: "X", str: "TEXT"}.get(annotation, "VALUE")
-        parser.add_argument(*flags, **kwargs)
-
-
-def _cli_overrides(namespace: argparse.Namespace) -> dict[str, Any]:
-    overrides: dict[str, Any] = {}
-    for key, value in vars(namespace).items():
-        if not key.startswith("cfg__"):
-            continue
-        node = overrides
-        *parents, leaf = key[len("cfg__") :].split("__")
-        for part in parents:
-            node = node.setdefault(part, {})
-        node[leaf] = value
-    return overrides
-
-
-def _deep_merge(base: dict[str, Any], update: dict[str, Any]) -> dict[str, Any]:
-    merged = dict(base)
-    for key, value in update.items():
-        if isinstance(value, dict) and isinstance(merged.get(key), dict):
-            merged[key] = _deep_merge(merged[key], value)
-        else:
-            merged[key] = value
-    return merged
-
-
-def load_toml(path: str) -> dict[str, Any]:
-    """Read a TOML config file; raises ConfigError if it is missing or malformed."""
-    file = Path(path)
-    try:
-        with file.open("rb") as f:
-            return tomllib.load(f)
-    except FileNotFoundError:
-        raise ConfigError(f"config file {path} does not exist")
-    except PermissionError:
-        raise ConfigError(f"config file {path} is not readable (permission denied)")
-    except IsADirectoryError:
-        raise ConfigError(f"config file {path} is a folder, expected a .toml file")
-    except tomllib.TOMLDecodeError as e:
-        raise ConfigError(f"config file {path} is not valid TOML: {e}")
-
-
-def format_validation_error(error: ValidationError) -> str:
-    """One line per problem, each naming the field (dotted), its flag and the value given."""
-    lines = []
-    for item in error.errors():
-        loc = tuple(str(part) for part in item["loc"])
-        message = item["msg"].removeprefix("Value error, ")
-        if loc:
-            given = item.get("input")
-            given_text = "" if isinstance(given, dict) else f" (got {given!r})"
-            lines.append(f"invalid {'.'.join(loc)} ({flag_for(loc)}): {message}{given_text}")
-        else:
-            lines.append(f"invalid configuration: {message}")
-    return "; ".join(lines)
-
-
-def build_config(model: type[BaseModel], namespace: argparse.Namespace, config_file: str = "") -> Any:
-    """Defaults, then the TOML file, then flags; returns a validated ``model`` or raises ConfigError."""
-    data = load_toml(config_file) if config_file else {}
-    data = _deep_merge(data, _cli_overrides(namespace))
-    try:
-        return model.model_validate(data)
-    except ValidationError as e:
-        raise ConfigError(format_validation_error(e)) from None

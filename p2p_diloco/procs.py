@@ -1,4 +1,5 @@
-"""Process hygiene: every helper process we fork dies with us, and signals become a stop event.
+"""Process hygiene: every helper process we fork dies with us, signals become a stop event, and
+process trees are found through psutil (:func:`descendants`, :func:`pid_alive`).
 
 hivemind runs the DHT and each averager in forked processes, and the DHT process runs p2pd. If an
 island is SIGKILLed those children would otherwise live on (a "dead" island that still answers).
@@ -104,3 +105,34 @@ def exit_with_parent(stop: StopSignal, interval: float = 1.0) -> None:
                 return
 
     threading.Thread(target=watch, name="parent-watch", daemon=True).start()
+
+
+def descendants(pid: int) -> list[int]:
+    """PIDs of every live (not zombie) descendant of ``pid``; empty if it is gone."""
+    import psutil
+
+    try:
+        children = psutil.Process(pid).children(recursive=True)
+    except psutil.Error:
+        return []
+    return [child.pid for child in children if pid_alive(child.pid)]
+
+
+def children(pid: int) -> list[int]:
+    """PIDs of the live direct children of ``pid``."""
+    import psutil
+
+    try:
+        return [child.pid for child in psutil.Process(pid).children() if pid_alive(child.pid)]
+    except psutil.Error:
+        return []
+
+
+def pid_alive(pid: int) -> bool:
+    """True while ``pid`` exists and is not a zombie."""
+    import psutil
+
+    try:
+        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+    except psutil.Error:
+        return False

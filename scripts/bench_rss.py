@@ -12,14 +12,15 @@ report. Usage (about 2.5 minutes; one failed round per second, alternating betwe
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import sys
 import time
 from pathlib import Path
 
-from p2p_diloco.events import read_events
-from p2p_diloco.localswarm import LocalSwarm, descendants
+from p2p_diloco.island.events import read_events
+from p2p_diloco.lab.localswarm import LocalSwarm
+from p2p_diloco.procs import descendants
+from p2p_diloco import files
 
 
 def rss_kib(pid: int) -> int:
@@ -87,7 +88,7 @@ def main(argv=None) -> int:
               "growth_kib_per_failed_round": round(total_growth * 1024 / max(1, end["failed_rounds"] - start["failed_rounds"]), 2),
               "samples": samples}
     out.mkdir(parents=True, exist_ok=True)
-    (out / "rss_report.json").write_text(json.dumps(report, indent=2) + "\n")
+    files.write_json(out / "rss_report.json", report)
     print(f"RSS from failed round {start['failed_rounds']} to {end['failed_rounds']} "
           f"(medians of the first and last {window} samples):")
     for r in rows:

@@ -25,8 +25,10 @@ from pathlib import Path
 
 from prometheus_client.parser import text_string_to_metric_families
 
-from p2p_diloco import browser
-from p2p_diloco.localswarm import descendants
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository: tests/browser.py
+from tests import browser  # noqa: E402
+from p2p_diloco.procs import descendants
+from p2p_diloco import files
 
 ROOT = Path(__file__).resolve().parents[1]
 TRAINING = ("window.dashboard && window.dashboard.status && window.dashboard.status.islands"
@@ -98,7 +100,7 @@ def main() -> int:
                 demo.wait(120)
             except subprocess.TimeoutExpired:
                 demo.kill()  # the demo's own children end with it (exit-with-parent)
-    (out / "check.json").write_text(json.dumps(result, indent=2) + "\n")
+    files.write_json(out / "check.json", result)
     print(json.dumps(result, indent=2))
     return 0
 

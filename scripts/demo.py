@@ -22,14 +22,15 @@ from pathlib import Path
 from rich.console import Console
 from rich.table import Table
 
-from p2p_diloco import transport
-from p2p_diloco.dashboard import Dashboard
+from p2p_diloco.net.dht import quiet_hivemind, start_dht
+from p2p_diloco.observe.dashboard import Dashboard
 from p2p_diloco.errors import ConfigError, NetworkError, UserError
-from p2p_diloco.localswarm import LOOPBACK, LocalSwarm
-from p2p_diloco.plots import plot_loss_vs_tokens
+from p2p_diloco.lab.localswarm import LOOPBACK, LocalSwarm
+from p2p_diloco.lab.plots import plot_loss_vs_tokens
 from p2p_diloco.procs import install_child_hooks
-from p2p_diloco.records import ProgressBoard, make_validators
-from p2p_diloco.status import render_table, swarm_snapshot
+from p2p_diloco.net.records import ProgressBoard, make_validators
+from p2p_diloco.observe.status import render_table, swarm_snapshot
+from p2p_diloco import files
 
 STARTUP_ALLOWANCE = 120.0  # seconds for islands to import, build the model and join before training
 
@@ -127,7 +128,7 @@ def main(argv=None) -> int:
     if not console.is_terminal:
         console.width = max(console.width, 140)
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    transport.quiet_hivemind(verbose=False)
+    quiet_hivemind(verbose=False)
     logging.getLogger("matplotlib").setLevel(logging.WARNING)
     install_child_hooks()
     out = Path(args.out or Path("runs") / datetime.now().strftime("%Y%m%d-%H%M%S"))
@@ -161,7 +162,7 @@ def main(argv=None) -> int:
         console.print(f"started {args.islands} islands; outputs and logs in {out}/")
         validators, public_key = make_validators(args.run_id)
         try:
-            observer = transport.start_dht(initial_peers=peers, host_maddrs=[LOOPBACK], client_mode=True,
+            observer = start_dht(initial_peers=peers, host_maddrs=[LOOPBACK], client_mode=True,
                                            record_validators=validators, join_timeout=30)
         except UserError as e:
             console.print(f"[red]error: the observer could not join the swarm: {e}[/red]")
@@ -206,7 +207,7 @@ def main(argv=None) -> int:
             console.print(f"[red]force-killed leftover processes: {leftovers}[/red]")
 
     summaries = {name: swarm.summary(name) for name in swarm.islands}
-    (out / "summaries.json").write_text(json.dumps(summaries, indent=2) + "\n")
+    files.write_json(out / "summaries.json", summaries)
     plot = plot_loss_vs_tokens({name: swarm.events_path(name) for name in swarm.islands}, out / "loss_vs_tokens.png",
                                title=f"{args.islands} islands, {args.preset} preset, {args.minutes:g} min")
     stdout = Console()

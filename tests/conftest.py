@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from p2p_diloco.localswarm import descendants, pid_alive
+from p2p_diloco.procs import children, descendants, pid_alive
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -22,28 +22,16 @@ def shared_cache(tmp_path_factory):
     yield os.environ["P2P_DILOCO_CACHE"]
 
 
-def _children(pid: int) -> set[int]:
-    return {child for child in descendants(pid) if _parent(child) == pid}
-
-
-def _parent(pid: int) -> int:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return int(f.read().rsplit(")", 1)[1].split()[1])
-    except (OSError, IndexError, ValueError):
-        return -1
-
-
 @pytest.fixture(autouse=True)
 def no_leftover_processes():
     """Kill, by PID, any process a test started (directly or not) that is still alive after it.
 
     Processes started by module fixtures before the test, and their descendants, are left alone.
     """
-    before = _children(os.getpid())
+    before = set(children(os.getpid()))
     yield
     deadline = time.monotonic() + 10
-    started = _children(os.getpid()) - before
+    started = set(children(os.getpid())) - before
     leftovers = [pid for child in started for pid in [child, *descendants(child)]]
     while leftovers and time.monotonic() < deadline:
         time.sleep(0.2)

@@ -1,4 +1,4 @@
-"""Command-line plumbing shared by compare.py and wan.py (the logic is in p2p_diloco/benchmark.py)."""
+"""Command-line plumbing shared by compare.py and wan.py (the logic is in p2p_diloco/lab/benchmark.py)."""
 
 from __future__ import annotations
 
@@ -10,9 +10,9 @@ from typing import Callable
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from p2p_diloco.benchmark import Bench  # noqa: E402
+from p2p_diloco.lab.benchmark import Bench  # noqa: E402
 from p2p_diloco.config import LR_SCHEDULES, InnerConfig  # noqa: E402
-from p2p_diloco.experiment import run_script  # noqa: E402
+from p2p_diloco.lab.experiment import run_script  # noqa: E402
 
 
 def parser_with_common_flags(doc: str, *, steps: int, arms, period_help: str) -> argparse.ArgumentParser:
@@ -31,7 +31,8 @@ def parser_with_common_flags(doc: str, *, steps: int, arms, period_help: str) ->
                         help="outer Nesterov momentum of torchft and ours (default 0: plain averaging, as hivemind)")
     parser.add_argument("--inner-lr", type=float, default=InnerConfig().lr,
                         help=f"every arm's inner AdamW peak lr (default {InnerConfig().lr})")
-    parser.add_argument("--lr-schedule", choices=LR_SCHEDULES, default="constant",
+    parser.add_argument("--inner-schedule", "--lr-schedule", dest="inner_schedule", choices=LR_SCHEDULES,
+                        default="constant",
                         help="every arm's inner learning rate after warm-up: constant, or a cosine decay to "
                         f"{InnerConfig().min_lr_ratio} x "
                         "over each learner's steps (default constant; in the failure pass a restarted hivemind, "
@@ -64,9 +65,9 @@ def bench_from_args(parser: argparse.ArgumentParser, args: argparse.Namespace, n
     return Bench(out=out, learners=args.learners, steps=args.steps, h=args.h, eval_every_steps=args.eval_every_steps,
                  eval_seconds=args.eval_seconds, eval_batches=args.eval_batches, shards=args.shards,
                  outer_lr=args.outer_lr, outer_momentum=args.outer_momentum, inner_lr=args.inner_lr,
-                 schedule=args.lr_schedule, ours_period=args.ours_period, timeout=args.timeout, **extra)
+                 schedule=args.inner_schedule, ours_period=args.ours_period, timeout=args.timeout, **extra)
 
 
 def run(body: Callable[[], None]) -> int:
-    """Run a benchmark: Ctrl+C or SIGTERM exits 130, a failed arm 1 (:func:`p2p_diloco.experiment.run_script`)."""
+    """Run a benchmark: Ctrl+C or SIGTERM exits 130, a failed arm 1 (:func:`p2p_diloco.lab.experiment.run_script`)."""
     return run_script(body)

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from _common import bench_from_args, parser_with_common_flags, run
 
-from p2p_diloco.benchmark import ARMS, run_bench
+from p2p_diloco.lab.benchmark import ARMS, run_bench
 
 
 def main() -> int:

@@ -11,13 +11,14 @@ elsewhere it prints why and exits 0 without running (nothing to measure).
 
 from __future__ import annotations
 
-import json
 
 from _common import bench_from_args, parser_with_common_flags, run
 
-from p2p_diloco.benchmark import combine, plot, run_pass
-from p2p_diloco.experiment import table
-from p2p_diloco.netns import check_available
+from p2p_diloco.lab.benchmark import combine, run_pass
+from p2p_diloco import files
+from p2p_diloco.lab.plots import plot_compare
+from p2p_diloco.lab.experiment import table
+from p2p_diloco.lab.netns import check_available
 
 ARMS = ("ddp", "ours")
 COLUMNS = [("arm", "arm"), ("wall_seconds", "time to budget s"), ("tokens_per_second", "tokens/s"),
@@ -52,10 +53,9 @@ def run_wan(bench, arms) -> None:
         print(f"[wan]   wall {rows[-1]['wall_seconds']} s, eval loss {rows[-1]['eval_loss']}", flush=True)
     combined = combine(rows, [])
     text = table(combined, COLUMNS)
-    (bench.out / "results.json").write_text(json.dumps({"rate": bench.rate, "rows": rows, "table": combined}, indent=2)
-                                            + "\n")
-    (bench.out / "table.md").write_text(text + "\n")
-    plot(rows, bench.out / "wan.png", f"{bench.learners} learners x {bench.steps} steps, links at {bench.rate}")
+    files.write_json(bench.out / "results.json", {"rate": bench.rate, "rows": rows, "table": combined})
+    files.write_text(bench.out / "table.md", text + "\n")
+    plot_compare(rows, bench.out / "wan.png", f"{bench.learners} learners x {bench.steps} steps, links at {bench.rate}")
     print(f"\n{text}\n\nplot: {bench.out / 'wan.png'}", flush=True)
 
 

@@ -10,7 +10,7 @@ from typing import Callable, Sequence
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from p2p_diloco.experiment import Arm, run_experiment, run_script  # noqa: E402
+from p2p_diloco.lab.experiment import Arm, run_experiment, run_script  # noqa: E402
 
 
 def main(name: str, title: str, build: Callable[[int], Sequence[Arm]], default_steps: int, doc: str) -> int:

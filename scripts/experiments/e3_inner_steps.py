@@ -4,7 +4,7 @@
 DiLoCo (arXiv 2311.08105, Sec. 3.2, Fig. 4): fewer synchronisations degrade quality mildly and
 monotonically.
 
-Rounds run on a wall-clock period (DESIGN.md), so H is set through the period: islands are slowed
+Rounds run on a wall-clock period (docs/DESIGN.md, "When rounds happen"), so H is set through the period: islands are slowed
 to about STEP_SECONDS per inner step (--slowdown) and the period is H x STEP_SECONDS; the table
 reports the measured H. One fragment (plain DiLoCo), 2 islands, 2 x STEPS steps each.
 

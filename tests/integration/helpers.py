@@ -9,7 +9,7 @@ import time
 from collections import defaultdict
 from pathlib import Path
 
-from p2p_diloco.events import read_events
+from p2p_diloco.island.events import read_events
 
 # fast rounds for a 2-core machine: fragment p of 2 syncs every 8 s, one fragment every 4 s
 FAST = [

@@ -11,7 +11,7 @@ import sys
 
 import pytest
 
-from p2p_diloco import netns
+from p2p_diloco.lab import netns
 from tests.conftest import ROOT
 
 pytestmark = pytest.mark.integration

@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from p2p_diloco.checkpoint import list_checkpoints, load_checkpoint
-from p2p_diloco.outer import all_finite
+from p2p_diloco.island.checkpoint import list_checkpoints, load_checkpoint
+from p2p_diloco.algo.outer import all_finite
 from tests.integration.helpers import cli, events_of
 
 pytestmark = pytest.mark.integration

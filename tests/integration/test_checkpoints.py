@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import pytest
 
-from p2p_diloco.checkpoint import list_checkpoints, load_checkpoint
-from p2p_diloco.localswarm import LocalSwarm
+from p2p_diloco.island.checkpoint import list_checkpoints, load_checkpoint
+from p2p_diloco.lab.localswarm import LocalSwarm
 from tests.integration.helpers import FAST, events_of, wait_for
 
 pytestmark = pytest.mark.integration

@@ -20,10 +20,10 @@ from threading import Thread
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from p2p_diloco import browser
-from p2p_diloco.dashboard import SwarmHistory, make_server
-from p2p_diloco.localswarm import LocalSwarm
-from p2p_diloco.records import METRICS
+from tests import browser
+from p2p_diloco.observe.dashboard import SwarmHistory, make_server
+from p2p_diloco.lab.localswarm import LocalSwarm
+from p2p_diloco.net.records import METRICS
 from tests.conftest import ROOT
 from tests.integration.helpers import FAST, cli, wait_for
 from tests.unit.test_dashboard import record

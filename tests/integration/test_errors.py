@@ -6,7 +6,7 @@ import time
 
 import pytest
 
-from p2p_diloco.localswarm import LocalSwarm
+from p2p_diloco.lab.localswarm import LocalSwarm
 from tests.integration.helpers import FAST, cli, events_of, status_json, wait_for
 
 pytestmark = pytest.mark.integration

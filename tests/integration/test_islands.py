@@ -8,7 +8,8 @@ import stat
 
 import pytest
 
-from p2p_diloco.localswarm import LocalSwarm, descendants, pid_alive
+from p2p_diloco.lab.localswarm import LocalSwarm
+from p2p_diloco.procs import children, pid_alive
 from tests.integration.helpers import FAST, events_of, rounds_by_slot, wait_for
 
 pytestmark = pytest.mark.integration
@@ -60,10 +61,10 @@ def test_bootstrap_identity_first_line_and_clean_shutdown(tmp_path):
                  timeout=30, message="the bootstrap's periodic swarm summary")
         peer_id = first[0].rsplit("/p2p/", 1)[1]
         swarm.bootstrap.remember_tree()
-        children = list(swarm.bootstrap.tree)
-        assert children, "the DHT process and p2pd run under the bootstrap node"
+        tree = list(swarm.bootstrap.tree)
+        assert tree, "the DHT process and p2pd run under the bootstrap node"
         assert swarm.bootstrap.stop(timeout=20) == 0
-        assert not any(pid_alive(pid) for pid in children)
+        assert not any(pid_alive(pid) for pid in tree)
         again = swarm.start_bootstrap()  # same identity file: same peer id
         assert again[0].rsplit("/p2p/", 1)[1] == peer_id
     finally:
@@ -75,18 +76,13 @@ def test_an_island_whose_helper_process_dies_stops_with_an_error(tmp_path):
     try:
         island = swarm.start_island("solo", *FAST, initial_peers=[])
         wait_for(lambda: events_of(swarm.events_path("solo"), "step"), timeout=120, message="training")
-        children = sorted(pid for pid in descendants(island.pid) if _parent(pid) == island.pid)
-        os.kill(children[0], signal.SIGKILL)  # the DHT process, forked first
+        forked = sorted(children(island.pid))
+        os.kill(forked[0], signal.SIGKILL)  # the DHT process, forked first
         assert island.popen.wait(60) == 1
     finally:
         swarm.close()
     assert "died" in island.log_path.read_text()
     assert swarm.summary("solo")["stop_reason"] == "helper_died"
-
-
-def _parent(pid: int) -> int:
-    with open(f"/proc/{pid}/stat") as f:
-        return int(f.read().rsplit(")", 1)[1].split()[1])
 
 
 def test_rounds_wait_for_the_quorum_until_the_grace_window_ends(tmp_path):

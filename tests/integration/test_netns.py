@@ -9,7 +9,7 @@ import sys
 
 import pytest
 
-from p2p_diloco import netns
+from p2p_diloco.lab import netns
 
 pytestmark = pytest.mark.integration
 

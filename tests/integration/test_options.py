@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from p2p_diloco.localswarm import LocalSwarm
+from p2p_diloco.lab.localswarm import LocalSwarm
 from tests.integration.helpers import FAST, events_of, rounds_by_slot
 
 pytestmark = pytest.mark.integration

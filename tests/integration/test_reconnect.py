@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import pytest
 
-from p2p_diloco import transport
+from p2p_diloco.net.dht import peers_by_id, reconnect_peers, start_dht, visible_maddrs
 
 pytestmark = pytest.mark.integration
 
@@ -32,14 +32,14 @@ async def _knows(_dht, node, peer_id: str) -> bool:
 def test_reconnect_peers_restores_both_routing_tables():
     from functools import partial
 
-    a = transport.start_dht(initial_peers=[], host_maddrs=["/ip4/127.0.0.1/tcp/0"])
-    b = transport.start_dht(initial_peers=transport.visible_maddrs(a), host_maddrs=["/ip4/127.0.0.1/tcp/0"])
+    a = start_dht(initial_peers=[], host_maddrs=["/ip4/127.0.0.1/tcp/0"])
+    b = start_dht(initial_peers=visible_maddrs(a), host_maddrs=["/ip4/127.0.0.1/tcp/0"])
     try:
         a_id, b_id = str(a.peer_id), str(b.peer_id)
         assert a.run_coroutine(partial(_knows, peer_id=b_id))
         assert a.run_coroutine(partial(_forget, peer_id=b_id)) and b.run_coroutine(partial(_forget, peer_id=a_id))
         assert not a.run_coroutine(partial(_knows, peer_id=b_id))
-        answered = transport.reconnect_peers(b, transport.peers_by_id(transport.visible_maddrs(a))).result(timeout=30)
+        answered = reconnect_peers(b, peers_by_id(visible_maddrs(a))).result(timeout=30)
         assert answered == 1
         assert b.run_coroutine(partial(_knows, peer_id=a_id))  # B has A again
         assert a.run_coroutine(partial(_knows, peer_id=b_id))  # and the ping made A add B back

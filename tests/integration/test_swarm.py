@@ -12,7 +12,8 @@ import time
 
 import pytest
 
-from p2p_diloco.localswarm import LocalSwarm, descendants, pid_alive
+from p2p_diloco.lab.localswarm import LocalSwarm
+from p2p_diloco.procs import descendants, pid_alive
 from tests.integration.helpers import FAST, events_of, max_step_gap, rounds_by_slot, status_json, wait_for
 
 pytestmark = pytest.mark.integration

@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import pytest
 
-from p2p_diloco.baselines import Meter, ring_bytes
-from p2p_diloco.benchmark import (COLUMNS, arm_figures, combine, compute_intervals, learner_utilization, lost_after,
+from p2p_diloco.lab.baselines import Meter, ring_bytes
+from p2p_diloco.lab.benchmark import (COLUMNS, arm_figures, combine, compute_intervals, learner_utilization, lost_after,
                                   stall_per_failure)
-from p2p_diloco.experiment import table
+from p2p_diloco.lab.experiment import table
 
 
 def _steps(start, count, dt=1.0, gap=0.1, comm=0.0, stalls=None):

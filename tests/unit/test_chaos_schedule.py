@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from p2p_diloco.chaos import EventTail, load_schedule
+from p2p_diloco.lab.chaos import EventTail, load_schedule
 from p2p_diloco.errors import ConfigError
 
 
@@ -80,7 +80,7 @@ def test_event_tail_reads_increments_and_waits_for_torn_lines(tmp_path):
 
 
 def test_reanalyze_recomputes_a_run_folder(tmp_path):
-    from p2p_diloco.chaos import ChaosConfig, reanalyze
+    from p2p_diloco.lab.chaos import ChaosConfig, reanalyze
 
     steps = [{"event": "step", "t": t + 0.5, "dt": 0.5, "island": "island-0"} for t in range(0, 100)]
     (tmp_path / "island-0.events.jsonl").write_text("".join(json.dumps(e) + "\n" for e in steps))
@@ -102,8 +102,8 @@ def test_faults_that_do_not_apply_are_skipped_and_spans_stay_consistent(tmp_path
     import threading
     import time
 
-    from p2p_diloco.chaos import ChaosConfig, ChaosRun
-    from p2p_diloco.localswarm import Managed
+    from p2p_diloco.lab.chaos import ChaosConfig, ChaosRun
+    from p2p_diloco.lab.localswarm import Managed
 
     run = ChaosRun(ChaosConfig(islands=2), tmp_path, threading.Event())
 
@@ -152,8 +152,8 @@ def test_corrupt_toggles_a_running_island_by_signal_once_it_started(tmp_path):
     import threading
     import time
 
-    from p2p_diloco.chaos import ChaosConfig, ChaosRun, Fault
-    from p2p_diloco.localswarm import Managed
+    from p2p_diloco.lab.chaos import ChaosConfig, ChaosRun, Fault
+    from p2p_diloco.lab.localswarm import Managed
 
     fault = Fault(at=5, kind="corrupt", island="island-1", value="inf", duration=30)
     run = ChaosRun(ChaosConfig(islands=2, faults=[fault]), tmp_path, threading.Event())
@@ -193,7 +193,7 @@ def test_corrupt_toggles_a_running_island_by_signal_once_it_started(tmp_path):
 
 
 def test_faulty_spans_run_from_corrupt_to_heal_or_the_end():
-    from p2p_diloco.chaos import faulty_spans
+    from p2p_diloco.lab.chaos import faulty_spans
 
     faults = [{"t": 10.0, "kind": "corrupt", "island": "island-1"}, {"t": 12.0, "kind": "freeze", "island": "island-1"},
               {"t": 40.0, "kind": "heal", "island": "island-1"}, {"t": 50.0, "kind": "corrupt", "island": "island-1"},

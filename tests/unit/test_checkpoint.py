@@ -7,13 +7,13 @@ import numpy as np
 import pytest
 import torch
 
-from p2p_diloco import checkpoint as ckpt
+from p2p_diloco.island import checkpoint as ckpt
 from p2p_diloco.config import InnerConfig
-from p2p_diloco.data import BatchSampler
-from p2p_diloco.fragments import balanced_layout
-from p2p_diloco.learner import Learner
-from p2p_diloco.model import ModelSpec, build_model
-from p2p_diloco.outer import tensors_hash
+from p2p_diloco.island.data import BatchSampler
+from p2p_diloco.algo.fragments import balanced_layout
+from p2p_diloco.island.learner import Learner
+from p2p_diloco.island.model import ModelSpec, build_model
+from p2p_diloco.algo.outer import tensors_hash
 
 SPEC = ModelSpec(hidden_size=16, num_layers=1, num_heads=2, intermediate_size=32, vocab_size=64, seq_len=8,
                  batch_size=2)
@@ -35,7 +35,7 @@ def _checkpoint(learner, version=4):
     for params in learner.fragment_params:
         theta = [p.detach().clone() for p in params]
         fragments.append(ckpt.GlobalFragment(theta, [t * 0.1 for t in theta], version, tensors_hash(theta), 2))
-    return ckpt.IslandCheckpoint("fp", "isl", fragments, inner["params"], inner["exp_avg"], inner["exp_avg_sq"],
+    return ckpt.IslandCheckpoint("fp", "isl", fragments, inner["params"], inner["optimizer"], inner["scheduler"],
                                  inner["meta"] | {"sampler": {"x": 1}})
 
 
@@ -45,8 +45,8 @@ def test_round_trip_restores_a_learner_exactly(tmp_path):
     loaded = ckpt.load_checkpoint(path, fingerprint="fp")
     assert [f.version for f in loaded.fragments] == [4, 4] and loaded.meta["sampler"] == {"x": 1}
     target = _learner(steps=1)
-    target.restore(loaded.params, loaded.exp_avg, loaded.exp_avg_sq, loaded.meta)
-    assert target.stats.inner_steps == 3 and target.marks == source.marks
+    target.restore(loaded.params, loaded.optimizer, loaded.scheduler, loaded.meta)
+    assert target.stats.inner_steps == 3 and target.boundary.marks == source.boundary.marks
     for (name, a), b in zip(source.model.named_parameters(), target.model.parameters()):
         assert torch.equal(a, b), name
     # both continue identically: same moments, same step counts, same learning rate
@@ -56,13 +56,28 @@ def test_round_trip_restores_a_learner_exactly(tmp_path):
     for a, b in zip(source.model.parameters(), target.model.parameters()):
         torch.testing.assert_close(a, b, rtol=0, atol=0)
     assert source.optimizer.param_groups[0]["lr"] == target.optimizer.param_groups[0]["lr"]
+    assert source.scheduler.last_epoch == target.scheduler.last_epoch == 4
+
+
+def test_a_resumed_learner_takes_this_runs_inner_settings(tmp_path):
+    path = ckpt.save_checkpoint(tmp_path, _checkpoint(_learner()))
+    loaded = ckpt.load_checkpoint(path)
+    model = build_model(SPEC, 64, seed=0)
+    layout = balanced_layout([(n, p.numel()) for n, p in model.named_parameters()], 2)
+    target = Learner(model=model, layout=layout, next_batch=lambda: None, eval_data=[], device=torch.device("cpu"),
+                     inner=InnerConfig(warmup_steps=5, lr=1e-3, weight_decay=0.0))
+    target.restore(loaded.params, loaded.optimizer, loaded.scheduler, loaded.meta)
+    group = target.optimizer.param_groups[0]
+    assert group["lr"] == pytest.approx(1e-3 * 4 / 5) and group["weight_decay"] == 0.0  # step 3 of a 5-step warm-up
+    assert target.scheduler.base_lrs == [1e-3, 1e-3]
+    assert int(target.optimizer.state[next(model.parameters())]["step"]) == 3
 
 
 def test_no_partial_file_and_old_ones_pruned(tmp_path):
     learner = _learner()
     paths = [ckpt.save_checkpoint(tmp_path, _checkpoint(learner, version=v), keep=2) for v in range(4)]
     assert ckpt.list_checkpoints(tmp_path) == paths[:1:-1]  # the two newest, newest first
-    assert not [f for f in os.listdir(tmp_path) if f.startswith(".tmp")]
+    assert not [f for f in os.listdir(tmp_path) if f.endswith(".tmp")]
 
 
 def test_corrupted_and_truncated_files_are_skipped_for_the_previous_one(tmp_path, caplog):

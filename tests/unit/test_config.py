@@ -5,6 +5,7 @@ import argparse
 import pytest
 
 from p2p_diloco import config as cfg
+from p2p_diloco import flags as flags_lib
 from p2p_diloco.cli import build_parser
 from p2p_diloco.errors import ConfigError
 
@@ -13,7 +14,7 @@ BASE = ["peer", "--run-id", "r1", "--island", "i0"]
 
 def _peer(argv, config_file=""):
     args = build_parser().parse_args(argv)
-    return cfg.build_config(cfg.PeerConfig, args, config_file or args.config)
+    return flags_lib.build_config(cfg.PeerConfig, args, config_file or args.config)
 
 
 def test_defaults_and_aliases():
@@ -80,12 +81,12 @@ def test_choices_are_checked_by_argparse(capsys):
 
 def test_every_field_has_a_flag():
     parser = argparse.ArgumentParser()
-    cfg.add_config_arguments(parser, cfg.PeerConfig)
+    flags_lib.add_config_arguments(parser, cfg.PeerConfig)
     flags = {option for action in parser._actions for option in action.option_strings}
     for section in ("model", "data", "inner", "outer"):
         model = type(getattr(cfg.PeerConfig(run_id="r", island="i"), section))
         for name in model.model_fields:
-            assert cfg.flag_for((section, name)) in flags
+            assert flags_lib.flag_for((section, name)) in flags
 
 
 def test_codec_and_merge_choices_are_checked():
@@ -115,3 +116,46 @@ def test_cosine_schedule_must_outlast_the_warm_up_and_leaves_the_callers_inner_c
     assert cfg.PeerConfig(run_id="r", island="i", max_steps=300, inner=inner).inner.decay_steps == 300
     assert inner.decay_steps == 0
     assert cfg.PeerConfig(run_id="r", island="i", max_steps=50, inner=inner).inner.decay_steps == 50
+
+
+def test_sections_keep_the_flag_names_of_before():
+    config = _peer(BASE + ["--checkpoint-dir", "ck", "--checkpoint-every", "9", "--checkpoint-keep", "2",
+                           "--eval-every", "7", "--eval-batches", "3", "--progress-period", "1", "--progress-ttl", "4",
+                           "--summary-json", "s.json", "--log-jsonl", "e.jsonl", "--tensorboard-dir", "tb"])
+    assert (config.checkpoint.dir, config.checkpoint.every, config.checkpoint.keep) == ("ck", 9.0, 2)
+    assert (config.eval.every, config.eval.batches, config.progress.period, config.progress.ttl) == (7.0, 3, 1.0, 4.0)
+    assert (config.logging.summary_json, config.logging.log_jsonl, config.logging.tensorboard_dir) == \
+        ("s.json", "e.jsonl", "tb")
+
+
+def test_to_flags_rebuilds_the_same_configuration():
+    config = _peer(BASE + ["--outer-period", "30.5", "--outer-max-delta", "0.1", "--no-outer-nesterov",
+                           "--initial-peers", "/ip4/1.2.3.4/tcp/1/p2p/QmA", "/ip4/1.2.3.4/tcp/2/p2p/QmB",
+                           "--summary-json", "s.json", "--eval-every", "3", "--inner-schedule", "cosine",
+                           "--max-steps", "100", "--preset", "small"])
+    flags = config.to_flags()
+    assert "--summary-json" in flags and "--no-outer-nesterov" in flags and "--model-preset" in flags
+    assert "--inner-lr" not in flags  # defaults are left out
+    assert flags_lib.parse_flags(cfg.PeerConfig, flags) == config  # (without the subcommand)
+    assert cfg.InnerConfig(lr=1e-3).to_flags(("inner",)) == ["--inner-lr", "0.001"]
+
+
+def test_parse_flags_fails_in_the_launcher_naming_the_flag():
+    with pytest.raises(ConfigError, match="unrecognized arguments: --outer-perod"):
+        flags_lib.parse_flags(cfg.PeerConfig, BASE[1:] + ["--outer-perod", "8"])
+    with pytest.raises(ConfigError, match=r"invalid outer.period \(--outer-period\)"):
+        flags_lib.parse_flags(cfg.PeerConfig, BASE[1:] + ["--outer-period", "-8"])
+    with pytest.raises(ConfigError, match="unrecognized"):  # no abbreviations: a renamed flag is not guessed
+        flags_lib.parse_flags(cfg.PeerConfig, BASE[1:] + ["--outer-per", "8"])
+
+
+def test_faults_are_lab_flags_the_product_refuses():
+    from p2p_diloco.lab.faults import LabPeerConfig
+
+    faulty = flags_lib.parse_flags(LabPeerConfig, BASE[1:] + ["--slowdown", "2", "--debug-corrupt-outer", "nan"])
+    assert faulty.debug.slowdown == 2.0 and faulty.debug.any and not flags_lib.parse_flags(LabPeerConfig, BASE[1:]).debug.any
+    for flag in (["--slowdown", "2"], ["--debug-corrupt-outer", "nan"], ["--debug-donate-delay", "1"]):
+        with pytest.raises(ConfigError, match="unrecognized"):
+            flags_lib.parse_flags(cfg.PeerConfig, BASE[1:] + flag)
+    with pytest.raises(ConfigError, match="corrupt_on_signal needs"):
+        flags_lib.parse_flags(LabPeerConfig, BASE[1:] + ["--debug-corrupt-on-signal"])

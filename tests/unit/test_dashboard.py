@@ -16,11 +16,11 @@ from prometheus_client.core import CollectorRegistry
 from prometheus_client.exposition import generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
-from p2p_diloco import assets
-from p2p_diloco.dashboard import Dashboard, SwarmCollector, SwarmHistory, make_server
+from p2p_diloco.observe import assets
+from p2p_diloco.observe.dashboard import Dashboard, SwarmCollector, SwarmHistory, make_server
 from p2p_diloco.errors import ConfigError, NetworkError
-from p2p_diloco.explog import ExperimentLog
-from p2p_diloco.records import METRICS, IslandProgress, island_metrics
+from p2p_diloco.island.explog import ExperimentLog
+from p2p_diloco.net.records import METRICS, IslandProgress, island_metrics
 
 
 def record(island: str, tokens: int, t: float, *, loss=5.0, eval_loss=None, state="training", goodput=0.9):

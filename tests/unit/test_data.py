@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 import torch
 
-from p2p_diloco import data
+from p2p_diloco.island import data
 from p2p_diloco.errors import UserError
 
 TEXT = "To be, or not to be, that is the question: whether 'tis nobler in the mind to suffer. " * 40

@@ -6,8 +6,8 @@ from types import SimpleNamespace
 
 import pytest
 
-from p2p_diloco.experiment import Arm, arm_figures, table
-from p2p_diloco.island import bandwidth_figures
+from p2p_diloco.lab.experiment import Arm, arm_figures, table
+from p2p_diloco.island.summary import bandwidth_figures
 
 
 def _summary(tokens, sent, eval_loss, util=0.99, h=20.0):
@@ -49,7 +49,7 @@ def test_bandwidth_figures_against_a_known_payload():
 
 
 def test_run_script_maps_failures_to_exit_codes(capsys):
-    from p2p_diloco.experiment import run_script
+    from p2p_diloco.lab.experiment import run_script
 
     def fail():
         raise RuntimeError("arm x: no island wrote a summary")

@@ -2,7 +2,7 @@
 
 import pytest
 
-from p2p_diloco import figures
+from p2p_diloco.lab import figures
 
 
 def _steps(start, end, dt=0.5, gap=0.0):

@@ -6,8 +6,8 @@ import random
 import pytest
 import torch
 
-from p2p_diloco.fragments import balanced_layout
-from p2p_diloco.model import PRESETS, build_model
+from p2p_diloco.algo.fragments import balanced_layout
+from p2p_diloco.island.model import PRESETS, build_model
 
 
 def _preset_sizes(name):

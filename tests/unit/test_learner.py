@@ -7,11 +7,11 @@ import pytest
 import torch
 
 from p2p_diloco.config import InnerConfig
-from p2p_diloco.data import BatchSampler
-from p2p_diloco.fragments import balanced_layout
-from p2p_diloco.learner import Learner, lr_factor
-from p2p_diloco.model import ModelSpec, build_model
-from p2p_diloco.syncer import OuterUpdate
+from p2p_diloco.island.data import BatchSampler
+from p2p_diloco.algo.fragments import balanced_layout
+from p2p_diloco.island.learner import Learner, lr_factor
+from p2p_diloco.island.model import ModelSpec, build_model
+from p2p_diloco.algo.handoff import OuterUpdate
 
 SPEC = ModelSpec(hidden_size=16, num_layers=1, num_heads=2, intermediate_size=32, vocab_size=64, seq_len=8,
                  batch_size=2)
@@ -37,7 +37,7 @@ def test_snapshot_copies_the_fragment_and_resets_its_counters():
     for _ in range(3):
         learner.train_step()
     thread, result = _request_in_background(learner, 1)
-    while not learner._requests.qsize():
+    while not learner.boundary._requests.qsize():
         pass
     learner.service()
     thread.join()
@@ -45,7 +45,7 @@ def test_snapshot_copies_the_fragment_and_resets_its_counters():
     assert snap.fragment == 1 and snap.steps == 3 and snap.tokens == 3 * 2 * 8
     for copy, param in zip(snap.params, learner.fragment_params[1]):
         assert torch.equal(copy, param) and copy.data_ptr() != param.data_ptr()
-    assert learner.marks == [(0, 0), (3 * 2 * 8, 3)]  # fragment 0 was not copied: its counters run on
+    assert learner.boundary.marks == [(0, 0), (3 * 2 * 8, 3)]  # fragment 0 was not copied: its counters run on
 
 
 def test_late_or_closed_requests_return_none_and_keep_counters():
@@ -53,7 +53,7 @@ def test_late_or_closed_requests_return_none_and_keep_counters():
     learner.train_step()
     assert learner.request_snapshot(0, timeout=0.05) is None  # nobody served it in time
     learner.service()  # the cancelled request is skipped
-    assert learner.marks == [(0, 0), (0, 0)]
+    assert learner.boundary.marks == [(0, 0), (0, 0)]
     learner.close()
     assert learner.request_snapshot(0, timeout=1.0) is None
 
@@ -116,8 +116,8 @@ def test_a_snapshot_forces_only_its_own_fragments_held_updates():
                                 "reload"))  # behind fragment 1's held update: waits with it
     learner.apply_updates()
     assert learner.stats.updates_applied == 0
-    learner.apply_updates(fragment=1)  # a snapshot of fragment 1 is asked for
-    assert learner.stats.updates_applied == 2 and len(learner._held) == 1
+    learner.boundary.apply_updates(fragment=1)  # a snapshot of fragment 1 is asked for
+    assert learner.stats.updates_applied == 2 and len(learner.boundary._held) == 1
     assert all(torch.equal(p.detach(), torch.zeros_like(p)) for p in learner.fragment_params[1])
 
 

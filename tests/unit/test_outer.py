@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from p2p_diloco import outer
+from p2p_diloco.algo import outer, wire
 
 
 def _params(seed, shapes=((4, 3), (5,))):
@@ -99,7 +99,7 @@ def _hivemind_reduce(ys, weights):
 
 
 def test_wire_encoding_makes_every_member_receive_the_same_bits():
-    offset = outer.wire_offset(1.0)
+    offset = wire.wire_offset(1.0)
     assert offset == 4.0
     generator = torch.Generator().manual_seed(3)
     deltas = [[torch.randn(1000, generator=generator) * scale] for scale in (1e-4, 3e-2, 0.4)]
@@ -108,16 +108,16 @@ def test_wire_encoding_makes_every_member_receive_the_same_bits():
     assert expected_clipped >= 5
     wires, clipped = [], 0
     for delta in deltas:
-        wire = [torch.empty(1000)]
-        clipped += outer.clip_(delta, 1.0)
-        outer.encode_for_wire(delta, wire, offset)
-        wires.append(wire[0])
+        buffer = [torch.empty(1000)]
+        clipped += wire.clip_(delta, 1.0)
+        wire.encode_for_wire(delta, buffer, offset)
+        wires.append(buffer[0])
     assert clipped == expected_clipped
     avg = _hivemind_reduce(wires, [3.5, 1.0, 120.25])
     received = [y + (avg - y) for y in wires]  # each member adds the reducer's delta to its own tensor
     for tensor in received:
         assert torch.equal(tensor, avg)
-    merged = outer.decode_from_wire([avg], offset)[0]
+    merged = wire.decode_from_wire([avg], offset)[0]
     reference = outer.weighted_mean(deltas, [3.5, 1.0, 120.25])[0]  # deltas were clipped in place
     torch.testing.assert_close(merged, reference, rtol=0, atol=4 * offset * 2**-24)
 
@@ -126,16 +126,16 @@ def test_parts_of_a_failed_reducer_are_zeroed_alike_on_every_member():
     """hivemind leaves each member its own values for the part a failed reducer owned; with the
     parts find_unaveraged finds set to zero, every member holds the same merged pseudo-gradient, averaged where a reducer
     answered and zero in the failed part."""
-    offset, weights = outer.wire_offset(1.0), [1.0, 2.0, 0.5]
+    offset, weights = wire.wire_offset(1.0), [1.0, 2.0, 0.5]
     generator = torch.Generator().manual_seed(5)
     shapes = [(60, 50), (1000,), (7,)]  # 4007 elements, flattened in this order as hivemind does
     deltas = [[torch.randn(shape, generator=generator) * 1e-3 for shape in shapes] for _ in weights]
     for delta in deltas:
         delta[0][20:40] = 0.25  # every member sent the same values here (an all-equal region)
     wires = [[torch.empty(shape) for shape in shapes] for _ in weights]
-    for delta, wire in zip(deltas, wires):
-        outer.encode_for_wire(delta, wire, offset)
-    flat = [torch.cat([t.reshape(-1) for t in wire]) for wire in wires]
+    for delta, buffers in zip(deltas, wires):
+        wire.encode_for_wire(delta, buffers, offset)
+    flat = [torch.cat([t.reshape(-1) for t in buffers]) for buffers in wires]
     avg = _hivemind_reduce([f.clone() for f in flat], weights)
     failed = slice(1200, 3300)  # the failed reducer's part crosses a tensor boundary
     merged_by_member = []
@@ -147,10 +147,10 @@ def test_parts_of_a_failed_reducer_are_zeroed_alike_on_every_member():
             n = torch.Size(shape).numel()
             pieces.append(received[position:position + n].view(shape).clone())
             position += n
-        merged_by_member.append(outer.decode_from_wire(pieces, offset))
+        merged_by_member.append(wire.decode_from_wire(pieces, offset))
     zeroed = []
     for merged, delta in zip(merged_by_member, deltas):
-        masks = outer.find_unaveraged(merged, outer.wire_roundtrip(delta, offset))
+        masks = wire.find_unaveraged(merged, wire.wire_roundtrip(delta, offset))
         for tensor, mask in zip(merged, masks):
             tensor.masked_fill_(mask, 0.0)
         zeroed.append(sum(int(mask.sum()) for mask in masks))
@@ -167,11 +167,11 @@ def test_parts_of_a_failed_reducer_are_zeroed_alike_on_every_member():
     torch.testing.assert_close(flat_merged[kept], reference[kept], rtol=0, atol=4 * offset * 2**-24)
     assert zeroed == [zeroed[0]] * 3 and 2100 <= zeroed[0] <= 2100 + 1000
     # a round where every reducer answered changes nothing, and neither do short coincidences
-    merged = outer.decode_from_wire([avg.clone()], offset)
+    merged = wire.decode_from_wire([avg.clone()], offset)
     sent = [torch.cat([t.reshape(-1) for t in deltas[0]])]
     sent[0][1000:2000] = 0.3  # no longer all-equal: this member's values differ from the average
     merged[0][:10] = sent[0][:10]  # 10 elements that happen to equal the average
-    assert outer.find_unaveraged(merged, sent) is None
+    assert wire.find_unaveraged(merged, sent) is None
 
 
 def test_canonical_base():
@@ -182,7 +182,7 @@ def test_canonical_base():
     with pytest.raises(ValueError):
         outer.canonical_base([])
     with pytest.raises(ValueError):
-        outer.wire_offset(0.0)
+        wire.wire_offset(0.0)
 
 
 def test_tensors_hash():
@@ -256,10 +256,10 @@ def test_merge_result_rescales_rda_tensors_to_the_mean_norm_and_leaves_mean_tens
 def test_per_tensor_offsets_and_bounds():
     values = [torch.tensor([0.5, -0.25]), torch.tensor([0.75])]
     out = [torch.empty(2), torch.empty(1)]
-    outer.encode_for_wire(values, out, [4.0, 8.0])
+    wire.encode_for_wire(values, out, [4.0, 8.0])
     assert out[0].tolist() == [4.5, 3.75] and out[1].tolist() == [8.75]
-    assert [t.tolist() for t in outer.decode_from_wire(out, [4.0, 8.0])] == [[0.5, -0.25], [0.75]]
-    assert outer.max_abs_sent(out, [4.0, 8.0]) == 0.75
-    assert outer.within_bound(values, [0.5, 1.0]) and not outer.within_bound(values, [0.4, 1.0])
+    assert [t.tolist() for t in wire.decode_from_wire(out, [4.0, 8.0])] == [[0.5, -0.25], [0.75]]
+    assert wire.max_abs_sent(out, [4.0, 8.0]) == 0.75
+    assert wire.within_bound(values, [0.5, 1.0]) and not wire.within_bound(values, [0.4, 1.0])
     with pytest.raises(ValueError, match="2 values for 1 tensors"):
-        outer.encode_for_wire(values[:1], out[:1], [1.0, 2.0])
+        wire.encode_for_wire(values[:1], out[:1], [1.0, 2.0])

@@ -9,7 +9,7 @@ from hivemind.dht.protocol import DHTProtocol
 from hivemind.dht.crypto import RSASignatureValidator
 from hivemind.utils.crypto import RSAPrivateKey
 
-from p2p_diloco.records import IslandProgress, make_validators, progress_key
+from p2p_diloco.net.records import IslandProgress, make_validators, progress_key
 
 
 def _record(**overrides):
@@ -64,7 +64,7 @@ def test_signature_binds_the_record_to_its_subkey():
 def test_status_shows_bytes_per_token_and_peak_bytes_per_step():
     from rich.console import Console
 
-    from p2p_diloco.status import render_table, swarm_snapshot
+    from p2p_diloco.observe.status import render_table, swarm_snapshot
 
     records = [_record(tokens=1000, bytes_sent=5000, peak_bytes_per_step=700),
                _record(island="i1", tokens=3000, bytes_sent=3000, peak_bytes_per_step=900), _record(island="i2", tokens=0)]

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import time
 
-from p2p_diloco.island import Reporter
+from p2p_diloco.island.reporter import Reporter
 
 
 class Done:

@@ -2,7 +2,7 @@
 
 import pytest
 
-from p2p_diloco.schedule import RoundClock
+from p2p_diloco.algo.schedule import RoundClock
 
 
 def test_slots_are_staggered_by_period_over_fragments():

@@ -1,8 +1,11 @@
-"""The syncer's round logic with a fake all-reduce that computes what hivemind's does (no network)."""
+"""The syncer's parts as pure logic (no network): the quarantine with its clock passed in, the base
+repair's choice, the round's checks of what members report, and the rounds that need no group
+(fallback, cancelled, non-finite, lagging) through a channel test double. What a real group does
+(members bit-identical, failed parts, weights, RDA, low-bit grids) is checked with real hivemind
+averagers in tests/integration/test_rounds.py."""
 
 from __future__ import annotations
 
-import contextlib
 import threading
 import time
 
@@ -10,508 +13,292 @@ import numpy as np
 import pytest
 import torch
 
-from p2p_diloco import outer, wire
+from p2p_diloco.algo import outer, wire
+from p2p_diloco.algo.fragments import FragmentLayout
+from p2p_diloco.algo.schedule import RoundSlot
 from p2p_diloco.config import OuterConfig
-from p2p_diloco.fragments import FragmentLayout
-from p2p_diloco.schedule import RoundSlot
-from p2p_diloco.syncer import WEIGHT_UNIT, FragmentState, Snapshot, Syncer
+from p2p_diloco.island.contribution import RoundFormat
+from p2p_diloco.island.quarantine import Quarantine
+from p2p_diloco.island.store import FragmentState, FragmentStore
+from p2p_diloco.island.syncer import SyncerStats, wire_syncer
+from p2p_diloco.island.transfer import StateTransfer
+from tests.doubles import ChannelDouble, LearnerDouble
 
-SHAPES = [[torch.Size([3, 2]), torch.Size([4])]]
+SHAPES = [torch.Size([3, 2]), torch.Size([4])]
 LAYOUT = FragmentLayout(fragments=(("w", "b"),), sizes=(10,))
 CONFIG = OuterConfig(period=10.0, fragments=1, matchmaking_time=1.0, grace_window=0.2, allreduce_timeout=1.0,
                      request_timeout=0.2)
 
 
-class FakeControl:
-    def __init__(self, group):
-        self.group = group
+class Island:
+    """One island's syncer, wired as the product wires it, over a channel double."""
 
-    def result(self, timeout=None):
-        self.group.done.wait(timeout)
-        if not self.group.done.is_set():
-            from concurrent.futures import TimeoutError
+    def __init__(self, name, theta, local, channel, bases=lambda: [], config=CONFIG):
+        self.events, self.stop = [], threading.Event()
+        self.learner, self.channel = LearnerDouble(local), channel
+        self.store, self.stats = FragmentStore([SHAPES]), SyncerStats()
+        self.store.initialize([theta])
+        self.quarantine = Quarantine(island=name, probation=config.flag_probation, slot_spacing=config.fragment_budget,
+                                     check_lead=config.matchmaking_time, events=self.events.append)
+        self.transfer = StateTransfer(self.store, self.stats, fingerprint="f" * 16, events=self.events.append,
+                                      allreduce_timeout=config.allreduce_timeout, stop=self.stop)
+        self.syncer = wire_syncer(island=name, config=config, store=self.store, stats=self.stats,
+                                  quarantine=self.quarantine, transfer=self.transfer,
+                                  formats=[RoundFormat(config, LAYOUT.fragments[0], SHAPES)], channels=[channel],
+                                  learner=self.learner, swarm_bases=bases, events=self.events.append, stop=self.stop)
 
-            raise TimeoutError()
-        if self.group.fail:
-            raise RuntimeError("could not find a group")
-        return self.group.gathered
-
-    def done(self):
-        return self.group.done.is_set()
-
-    def cancel(self):
-        return True
-
-
-class FakeGroup:
-    """All members call step(); once ``size`` arrived, each gets y_i + (avg - y_i) like hivemind."""
-
-    def __init__(self, size: int, fail: bool = False, failed_tensor: int = -1):
-        self.size, self.fail, self.failed_tensor = size, fail, failed_tensor
-        self.arrived: list = []
-        self.gathered: dict = {}
-        self.done = threading.Event()
-        self.lock = threading.Lock()
-
-    def step(self, averager, gather, weight):
-        with self.lock:
-            self.arrived.append((averager, gather, weight))
-            if len(self.arrived) == self.size:
-                self._reduce()
-        return FakeControl(self)
-
-    def _reduce(self):
-        if not self.fail:
-            weights = [w for _, _, w in self.arrived]
-            reports = [gather.get("exponents") for _, gather, _ in self.arrived]
-            for averager, _, _ in self.arrived:  # what each member's averager does once the group is known
-                syncer = averager.syncer
-                if syncer.levels:
-                    grid = wire.put_on_grid_(averager.buffers, reports, syncer.levels, syncer.ceilings[0])
-                    syncer.shared[0]["grid"].copy_(grid)
-            # every message goes through the codecs (counting bytes), a member's to its neighbour
-            codecs = [wire.make_codec(a.syncer.config.codec, a.syncer.traffic[0]) for a, _, _ in self.arrived]
-            for index in range(len(self.arrived[0][0].buffers)):
-                acc = torch.zeros_like(self.arrived[0][0].buffers[index])
-                for i, (averager, _, w) in enumerate(self.arrived):
-                    neighbour = codecs[(i + 1) % len(codecs)]
-                    acc.add_(neighbour.extract(codecs[i].compress(averager.buffers[index])), alpha=w)
-                avg = acc.div_(sum(weights))
-                for i, (averager, _, _) in enumerate(self.arrived):
-                    buffer = averager.buffers[index]
-                    if index != self.failed_tensor:  # hivemind: a failed reducer's part stays as sent
-                        neighbour = codecs[(i + 1) % len(codecs)]
-                        buffer.add_(codecs[i].extract(neighbour.compress(avg - buffer)))
-            for averager, _, _ in self.arrived:  # what the averager reports: elements of failed reducers
-                mask = averager.syncer.shared[0]["failed_mask"]
-                mask.zero_()
-                if self.failed_tensor >= 0:
-                    start = sum(b.numel() for b in averager.buffers[:self.failed_tensor])
-                    mask[start:start + averager.buffers[self.failed_tensor].numel()] = 1
-                averager.syncer.traffic[0, 2] = int(mask.sum())
-            self.gathered = {f"peer{i}": gather for i, (_, gather, _) in enumerate(self.arrived)}
-        self.done.set()
-
-
-class FakeAverager:
-    def __init__(self, syncer: Syncer, group: FakeGroup, donor: Syncer | None = None):
-        self.syncer, self.group, self.donor = syncer, group, donor
-        self.buffers = syncer.buffers[0]
-        self.state_sharing_priority = 0.0
-        self.allow_state_sharing = False
-        self.group_bits = ""
-
-    def set_group_bits(self, bits, wait=True):
-        self.group_bits = bits
-
-    def is_alive(self):
-        return True
-
-    @contextlib.contextmanager
-    def get_tensors(self):
-        yield self.buffers
-
-    tamper = None  # a test may rewrite this member's gathered metadata (a lying member)
-
-    def step(self, *, gather, weight, **_):
-        if self.tamper is not None:
-            gather = self.tamper(dict(gather))
-        return self.group.step(self, gather, weight)
-
-    def load_state_from_peers(self, wait=True, timeout=None):
-        return None if self.donor is None else self.donor._donate(0)
-
-
-class FakeLearner:
-    def __init__(self, params):
-        self.params, self.updates, self.step_time = params, [], 0.0
-
-    def request_snapshot(self, fragment, timeout):
-        return Snapshot(fragment, [p.clone() for p in self.params], tokens=4096, steps=2)
-
-    def deliver(self, update):
-        self.updates.append(update)
-
-
-def _syncer(name, theta, local, bases=lambda: [], corrupt="", config=CONFIG, layout=LAYOUT, shapes=SHAPES):
-    learner = FakeLearner(local)
-    events: list[dict] = []
-    syncer = Syncer(run_id="r", fingerprint="f" * 16, island=name, config=config, layout=layout, shapes=shapes,
-                    learner=learner, events=events.append, swarm_bases=bases, corrupt=corrupt)
-    syncer.initialize([theta])
-    return syncer, learner, events
+    def round(self):
+        self.syncer._run_round(0, RoundSlot(time.time() + 0.1, 0, 7))
+        return [e for e in self.events if e["event"] == "round"][-1]
 
 
 def _params(seed, scale=1.0):
     generator = torch.Generator().manual_seed(seed)
-    return [torch.randn(shape, generator=generator) * scale for shape in SHAPES[0]]
-
-
-def _round(*syncers):
-    slot = RoundSlot(time.time() + 0.1, 0, 7)
-    threads = [threading.Thread(target=s._run_round, args=(0, slot)) for s in syncers]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join(10)
-
-
-def test_members_with_the_same_base_end_identical_at_the_nesterov_step_of_the_mean():
-    theta = _params(0)
-    local_a, local_b = [t - 0.01 * g for t, g in zip(theta, _params(1))], [t - 0.02 * g for t, g in zip(theta, _params(2))]
-    a, _, events_a = _syncer("a", theta, local_a)
-    b, _, events_b = _syncer("b", theta, local_b)
-    group = FakeGroup(2)
-    a.averagers, b.averagers = [FakeAverager(a, group)], [FakeAverager(b, group)]
-    _round(a, b)
-    assert events_a[-1]["outcome"] == events_b[-1]["outcome"] == "ok"
-    assert a.states[0].hash == b.states[0].hash and a.versions == b.versions == [1]
-    merged = outer.weighted_mean([outer.pseudo_gradient(theta, local_a), outer.pseudo_gradient(theta, local_b)],
-                                 [1.0, 1.0])  # equal tokens and steps: equal weights
-    expected = [t.clone() for t in theta]
-    outer.outer_step(expected, merged, [torch.zeros_like(t) for t in theta], lr=0.7, momentum=0.9, nesterov=True)
-    for got, want in zip(a.states[0].theta, expected):
-        torch.testing.assert_close(got, want, rtol=0, atol=1e-5)
-    assert events_a[-1]["weight"] == outer.token_weight(4096, 2) / WEIGHT_UNIT
-    assert a.stats.rounds_ok == 1 and a.stats.bytes_sent > 0
-
-
-def test_a_part_no_reducer_averaged_gets_no_outer_update_and_keeps_the_local_progress():
-    theta = _params(0)
-    local_a, local_b = [t - 0.01 * g for t, g in zip(theta, _params(1))], [t - 0.02 * g for t, g in zip(theta, _params(2))]
-    a, learner_a, events_a = _syncer("a", theta, local_a)
-    b, _, events_b = _syncer("b", theta, local_b)
-    momentum = _params(9, 0.01)  # the outer momentum of earlier rounds (the same on both)
-    for syncer in (a, b):
-        state = syncer.states[0]
-        syncer._publish(0, FragmentState(state.theta, [m.clone() for m in momentum], 0, state.hash))
-    group = FakeGroup(2, failed_tensor=1)  # the reducer of the second tensor stopped answering
-    a.averagers, b.averagers = [FakeAverager(a, group)], [FakeAverager(b, group)]
-    _round(a, b)
-    assert events_a[-1]["outcome"] == events_b[-1]["outcome"] == "ok"
-    assert events_a[-1]["unaveraged"] == events_b[-1]["unaveraged"] == pytest.approx(0.4)  # 4 of 10 elements
-    assert a.states[0].hash == b.states[0].hash  # the same Theta on both members
-    merged = outer.weighted_mean([outer.pseudo_gradient(theta, local_a), outer.pseudo_gradient(theta, local_b)],
-                                 [1.0, 1.0])
-    merged[1] = torch.zeros_like(merged[1])  # nobody averaged it: a zero merged pseudo-gradient
-    expected = [t.clone() for t in theta]
-    outer.outer_step(expected, merged, [m.clone() for m in momentum], lr=0.7, momentum=0.9, nesterov=True)
-    for got, want in zip(a.states[0].theta, expected):
-        torch.testing.assert_close(got, want, rtol=0, atol=1e-5)
-    assert not torch.equal(expected[1], theta[1])  # (the outer momentum still moves Theta there)
-    (update,) = learner_a.updates
-    assert update.mode == "carry"
-    # where nobody averaged, the progress is measured from the old Theta: the island keeps all of it
-    torch.testing.assert_close(update.tensors[1], expected[1] - theta[1], rtol=0, atol=1e-6)
-    torch.testing.assert_close(update.tensors[0], expected[0] - local_a[0])
-
-
-def test_a_listener_and_a_contributor_end_identical():
-    """A member with nothing to contribute (no steps yet) weighs 1e-12: the contributor's result
-    rounds back to exactly what it sent, which must not be taken for a failed part."""
-    theta = _params(0)
-    a, _, events_a = _syncer("a", theta, [t - 0.01 * g for t, g in zip(theta, _params(1))])
-    b, learner_b, events_b = _syncer("b", theta, theta)
-    learner_b.request_snapshot = lambda fragment, timeout: Snapshot(fragment, [p.clone() for p in theta], 0, 0)
-    group = FakeGroup(2)
-    a.averagers, b.averagers = [FakeAverager(a, group)], [FakeAverager(b, group)]
-    _round(a, b)
-    assert events_a[-1]["outcome"] == events_b[-1]["outcome"] == "ok"
-    assert events_a[-1]["unaveraged"] == events_b[-1]["unaveraged"] == 0.0
-    assert a.states[0].hash == b.states[0].hash
-
-
-def test_a_member_on_a_fork_reloads_the_result_instead_of_keeping_it():
-    theta = _params(0)
-    fork = [t + 1e-3 for t in theta]
-    a, _, events_a = _syncer("a", theta, [t - 0.01 for t in theta])
-    b, learner_b, events_b = _syncer("b", fork, [t - 0.02 for t in fork])
-    group = FakeGroup(2)
-    a.averagers, b.averagers = [FakeAverager(a, group, donor=b)], [FakeAverager(b, group, donor=a)]
-    _round(a, b)
-    round_a, round_b = ([e for e in events if e["event"] == "round"][-1] for events in (events_a, events_b))
-    winner, loser = (a, b) if round_a["canonical"] else (b, a)
-    loser_round = round_b if loser is b else round_a  # (the winner's last event is the donation)
-    assert loser_round["canonical"] is False and loser_round["reloaded"] is True
-    assert loser.states[0].hash == winner.states[0].hash and loser.versions == winner.versions == [1]
+    return [torch.randn(shape, generator=generator) * scale for shape in SHAPES]
 
 
 def test_a_failed_round_falls_back_to_the_islands_own_pseudo_gradient():
     theta = _params(0)
     local = [t - 0.05 for t in theta]
-    a, learner, events = _syncer("a", theta, local)
-    a.averagers = [FakeAverager(a, FakeGroup(1, fail=True))]
-    _round(a)
-    assert events[-1]["outcome"] == "fallback" and a.stats.rounds_failed == 1 and a.versions == [1]
+    island = Island("a", theta, local, ChannelDouble(SHAPES, result=None))
+    event = island.round()
+    assert event["outcome"] == "fallback" and event["group_size"] == 1
+    assert island.stats.rounds_failed == 1 and island.store.versions == [1]
     expected = [t.clone() for t in theta]
     outer.outer_step(expected, outer.pseudo_gradient(theta, local), [torch.zeros_like(t) for t in theta],
                      lr=0.7, momentum=0.9, nesterov=True)
-    for got, want in zip(a.states[0].theta, expected):
+    for got, want in zip(island.store.states[0].theta, expected):
         torch.testing.assert_close(got, want)
-    (update,) = learner.updates
-    assert update.mode == "carry" and update.version == 1
+    (update,) = island.learner.updates
+    assert update.mode == "carry" and update.version == 1 and update.reason == "fallback"
+    assert event["new_version"] == 1 and event["new_hash"] == island.store.hashes[0]
+
+
+def test_a_group_of_one_valid_member_is_a_fallback_too():
+    """A member whose metadata is malformed (a NaN weight) is not a member."""
+    theta = _params(0)
+    island = Island("a", theta, [t - 0.05 for t in theta], ChannelDouble(SHAPES))
+    island.channel.result = {"me": None, "other": {"island": "b", "version": 0, "hash": "x", "weight": float("nan")}}
+    event = island.round()
+    assert event["outcome"] == "fallback" and event["group_size"] == 0 and island.stats.rounds_failed == 1
 
 
 def test_an_island_behind_the_swarm_reloads_before_contributing():
     theta = _params(0)
-    donor, _, _ = _syncer("d", theta, theta)
-    donor._publish(0, donor._stepped(donor.states[0], _params(5, 0.01), version=3, support=2))
-    swarm = [("d", [3], [donor.states[0].hash]), ("e", [3], [donor.states[0].hash])]
-    lagging, learner, events = _syncer("l", theta, theta, bases=lambda: swarm)
-    group = FakeGroup(1, fail=True)
-    lagging.averagers = [FakeAverager(lagging, group, donor=donor)]
-    _round(lagging)
-    reload, round_ = events[-2], events[-1]
-    assert reload["event"] == "reload" and reload["why"] == "behind" and reload["reloaded"]
-    assert learner.updates[0].mode == "carry" and learner.updates[0].version == 3  # local progress is kept
+    donor = Island("d", theta, theta, ChannelDouble(SHAPES))
+    donor.store.publish(0, donor.store.states[0].stepped(_params(5, 0.01), 3, 2, lr=0.7, momentum=0.9, nesterov=True))
+    swarm = [("d", [3], [donor.store.hashes[0]]), ("e", [3], [donor.store.hashes[0]])]
+    lagging = Island("l", theta, theta, ChannelDouble(SHAPES, result=None, donor=donor.transfer), bases=lambda: swarm)
+    event = lagging.round()
+    reload = [e for e in lagging.events if e["event"] == "reload"][-1]
+    assert reload["why"] == "behind" and reload["reloaded"] and reload["new_version"] == 3
+    assert lagging.learner.updates[0].mode == "carry" and lagging.learner.updates[0].version == 3  # progress kept
     # it then takes part in the same slot from the swarm's base, not with a stale pseudo-gradient
-    (_, gather, _), = group.arrived
-    assert gather["version"] == 3 and gather["hash"] == donor.states[0].hash
-    assert round_["base_version"] == 3 and lagging.stats.reloads == 1
+    (gather,) = lagging.channel.gathers
+    assert gather["version"] == 3 and gather["hash"] == donor.store.hashes[0]
+    assert event["base_version"] == 3 and lagging.stats.reloads == 1 and lagging.stats.state_bytes_received > 0
+    assert donor.stats.state_bytes_sent == lagging.stats.state_bytes_received
 
 
 def test_an_island_that_cannot_reload_still_takes_part():
     """A swarm that looks newer but serves nothing must not make us skip rounds forever."""
     theta = _params(0)
-    lagging, _, events = _syncer("l", theta, theta, bases=lambda: [("d", [3], ["x" * 16]), ("e", [3], ["x" * 16])])
-    group = FakeGroup(1, fail=True)
-    lagging.averagers = [FakeAverager(lagging, group, donor=None)]
-    _round(lagging)
-    assert events[-2]["event"] == "reload" and not events[-2]["reloaded"]
-    assert len(group.arrived) == 1 and events[-1]["outcome"] == "fallback"
-
-
-def test_a_tie_between_forks_is_left_to_the_round():
-    theta = _params(0)
-    a, _, events = _syncer("a", theta, theta, bases=lambda: [("d", [0], ["f" * 16])])  # one other island, another fork
-    group = FakeGroup(1, fail=True)
-    a.averagers = [FakeAverager(a, group)]
-    assert a._repair_target(0, a.states[0]) is None
-    b, _, _ = _syncer("b", theta, theta, bases=lambda: [("d", [0], ["f" * 16]), ("e", [0], ["f" * 16])])  # a majority
-    assert b._repair_target(0, b.states[0]) == (0, "f" * 16)
-    b.flagged = {"d": float("inf")}  # a flagged island's word does not count
-    assert b._repair_target(0, b.states[0]) is None
+    island = Island("l", theta, theta, ChannelDouble(SHAPES, result=None), bases=lambda: [("d", [3], ["x" * 16]), ("e", [3], ["x" * 16])])
+    event = island.round()
+    assert [e for e in island.events if e["event"] == "reload"][-1]["reloaded"] is False
+    assert len(island.channel.gathers) == 1 and event["outcome"] == "fallback"
 
 
 def test_stopping_mid_round_is_not_a_failed_round():
     theta = _params(0)
-    a, _, events = _syncer("a", theta, [t - 0.01 for t in theta])
-    a.averagers = [FakeAverager(a, FakeGroup(2))]  # the second member never comes
-    timer = threading.Timer(0.3, a._stop.set)
+    island = Island("a", theta, [t - 0.01 for t in theta], ChannelDouble(SHAPES, block=True))
+    timer = threading.Timer(0.3, island.stop.set)
     timer.start()
-    _round(a)
-    assert events[-1]["outcome"] == "cancelled"
-    assert a.stats.rounds_failed == 0 and a.versions == [0]
+    event = island.round()
+    assert event["outcome"] == "cancelled" and "new_version" not in event
+    assert island.stats.rounds_failed == 0 and island.store.versions == [0] and not island.learner.updates
 
 
 def test_nonfinite_local_parameters_are_never_sent_and_get_replaced():
     theta = _params(0)
     broken = [t.clone() for t in theta]
     broken[0][0, 0] = float("nan")
-    a, learner, events = _syncer("a", theta, broken)
-    group = FakeGroup(2)
-    a.averagers = [FakeAverager(a, group)]
-    _round(a)
-    assert events[-1]["outcome"] == "nonfinite" and not group.arrived
-    (update,) = learner.updates
-    assert update.mode == "replace" and update.reset_optimizer
+    island = Island("a", theta, broken, ChannelDouble(SHAPES))
+    event = island.round()
+    assert event["outcome"] == "nonfinite" and not island.channel.gathers and island.stats.rounds_skipped == 1
+    (update,) = island.learner.updates
+    assert update.mode == "replace" and update.reset_optimizer and update.reason == "reload"
     assert all(torch.equal(x, y) for x, y in zip(update.tensors, theta))
 
 
-def test_donated_state_is_a_copy():
+def test_a_donated_state_is_a_copy_and_counts_its_bytes():
     theta = _params(0)
-    a, _, _ = _syncer("a", theta, theta)
-    metadata, tensors = a._donate(0)
-    assert metadata["version"] == 0 and metadata["hash"] == a.states[0].hash
-    assert all(t.data_ptr() != s.data_ptr() for t, s in zip(tensors, a.states[0].theta + a.states[0].momentum))
+    island = Island("a", theta, theta, ChannelDouble(SHAPES))
+    metadata, tensors = island.transfer.donate(0)
+    state = island.store.states[0]
+    assert metadata == {"fingerprint": "f" * 16, "fragment": 0, "version": 0, "hash": state.hash, "support": 1}
+    assert all(t.data_ptr() != s.data_ptr() and torch.equal(t, s) for t, s in zip(tensors, state.theta + state.momentum))
+    assert island.stats.state_bytes_sent == 2 * 10 * 4
 
 
-@pytest.mark.parametrize("garbage", ["nan", "inf", "huge"])
-def test_a_member_sending_garbage_is_rejected_flagged_and_avoided(garbage):
+def test_a_download_is_checked_not_trusted():
     theta = _params(0)
-    honest = [_syncer(name, theta, [t - 0.01 for t in theta]) for name in ("a", "b")]
-    faulty = _syncer("x", theta, [t - 0.01 for t in theta], corrupt=garbage)
-    group = FakeGroup(3)
-    for syncer, _, _ in honest + [faulty]:
-        syncer.averagers = [FakeAverager(syncer, group)]
-    _round(*(s for s, _, _ in honest + [faulty]))
-    for syncer, learner, events in honest:
-        assert events[-1]["outcome"] == "rejected" and events[-1]["culprits"] == ["x"]
-        assert syncer.versions == [0] and syncer.states[0].hash == honest[0][0].states[0].hash  # nothing applied
-        assert outer.all_finite(syncer.states[0].theta) and not learner.updates
-        assert list(syncer.flagged) == ["x"] and syncer.stats.rounds_rejected == 1
-    assert faulty[2][-1]["outcome"] == "rejected" and faulty[2][-1]["culprits"] == []  # it blames nobody
-    # the next round: the honest islands change their group key, the faulty one does not
-    for syncer, _, _ in honest + [faulty]:
-        syncer.averagers = [FakeAverager(syncer, FakeGroup(1, fail=True))]
-    _round(*(s for s, _, _ in honest + [faulty]))
-    bits = {s.averagers[0].group_bits for s, _, _ in honest}
-    assert len(bits) == 1 and bits != {""} and faulty[0].averagers[0].group_bits == ""
+    island = Island("a", theta, theta, ChannelDouble(SHAPES))
+    good = Island("d", theta, theta, ChannelDouble(SHAPES)).transfer.donate(0)
+    for bad in ({**good[0], "fingerprint": "other"}, {**good[0], "fragment": 1}, {**good[0], "version": -1}):
+        island.channel.load_state = lambda timeout, bad=bad: (bad, good[1])
+        assert island.transfer.download(0, min_version=0, timeout=1.0) is None
+    nan = [t.clone() for t in good[1]]
+    nan[0][0, 0] = float("nan")
+    island.channel.load_state = lambda timeout: (good[0], nan)
+    assert island.transfer.download(0, min_version=0, timeout=1.0) is None
+    island.channel.load_state = lambda timeout: (good[0], good[1])
+    assert island.transfer.download(0, min_version=0, want_hash="0" * 16, timeout=1.0) is None  # another fork
+    state = island.transfer.download(0, min_version=0, timeout=1.0)
+    assert state.hash == outer.tensors_hash(theta)  # computed here, not taken from the donor
 
 
-def test_a_flag_ends_after_its_probation_which_doubles_with_each_strike(monkeypatch):
+def test_repair_reloads_a_newer_version_or_a_majority_fork_but_leaves_ties_to_the_round():
     theta = _params(0)
-    a, _, events = _syncer("a", theta, theta)
-    a.averagers = [FakeAverager(a, FakeGroup(1, fail=True))]
-    now = [1000.0]
-    monkeypatch.setattr(time, "time", lambda: now[0])
-    assert a._flag("x", "caught") == CONFIG.flag_probation
-    a._keep_away_from_flagged(a.averagers[0])
-    flagged_bits = a.averagers[0].group_bits
-    assert "x" in a.flagged and len(flagged_bits) == 8
-    assert a._flag("x", "caught") == 0.0  # flagged already: no second strike
-    until = a.flagged["x"]  # the probation, rounded up to halfway between two rounds' checks
+    fork = "f" * 16
+    island = Island("a", theta, theta, ChannelDouble(SHAPES), bases=lambda: [("d", [0], [fork])])
+    state = island.store.states[0]
+    assert island.syncer.repair.target(0, state) is None  # one other island on another fork: a tie
+    island.syncer.repair.swarm_bases = lambda: [("d", [0], [fork]), ("e", [0], [fork])]
+    assert island.syncer.repair.target(0, state) == (0, fork)  # a majority
+    island.quarantine.flag("d", "caught", time.time())
+    assert island.syncer.repair.target(0, state) is None  # a flagged island's word does not count
+    island.syncer.repair.swarm_bases = lambda: [("e", [2], ["b" * 16]), ("g", [1], ["c" * 16])]
+    assert island.syncer.repair.target(0, state) == (2, "b" * 16)  # the newest version wins
+
+
+def test_a_flag_ends_after_its_probation_which_doubles_with_each_strike():
+    events = []
+    quarantine = Quarantine(island="a", probation=CONFIG.flag_probation, slot_spacing=CONFIG.fragment_budget,
+                            check_lead=CONFIG.matchmaking_time, events=events.append)
+    assert quarantine.group_bits(1000.0) is None  # never flagged anyone: the default key, untouched
+    assert quarantine.flag("x", "caught", 1000.0) == CONFIG.flag_probation
+    bits = quarantine.group_bits(1000.0)
+    assert "x" in quarantine and len(bits) == 8 and set(bits) <= {"0", "1"}
+    assert quarantine.flag("x", "caught", 1001.0) == 0.0  # flagged already: no second strike
+    until = quarantine.flagged["x"]  # the probation, rounded up to halfway between two rounds' checks
     assert CONFIG.flag_probation <= until - 1000.0 < CONFIG.flag_probation + CONFIG.period
     assert (until + CONFIG.matchmaking_time) % CONFIG.period == pytest.approx(CONFIG.period / 2)
-    now[0] = until - 0.5
-    a._keep_away_from_flagged(a.averagers[0])
-    assert "x" in a.flagged and a.averagers[0].group_bits == flagged_bits
-    now[0] = until + 0.5  # probation over: back to the default group key, where the others meet x again
-    a._keep_away_from_flagged(a.averagers[0])
-    assert "x" not in a.flagged and a.averagers[0].group_bits == ""
-    assert [e["event"] for e in events[-2:]] == ["flag", "unflag"]
-    assert a._flag("x", "caught") == 2 * CONFIG.flag_probation  # caught again: twice as long
+    assert quarantine.group_bits(until - 0.5) == bits and "x" in quarantine
+    assert quarantine.group_bits(until + 0.5) == ""  # over: back to the default key, where the others meet x
+    assert "x" not in quarantine and [e["event"] for e in events] == ["flag", "unflag"]
+    assert quarantine.flag("x", "caught", until + 1.0) == 2 * CONFIG.flag_probation  # caught again: twice as long
     assert events[-1] == {"event": "flag", "culprit": "x", "how": "caught", "seconds": 2 * CONFIG.flag_probation}
 
 
-class FailedControl(FakeControl):
-    """Like hivemind's MPFuture after a failed round: it keeps one exception object and raises it."""
-
-    def __init__(self, group):
-        super().__init__(group)
-        self.exception = RuntimeError("could not find a group")
-
-    def result(self, timeout=None):
-        raise self.exception
+def test_islands_that_flagged_the_same_ones_share_group_bits():
+    a, b = (Quarantine(island=n, probation=60.0, slot_spacing=5.0, check_lead=1.0) for n in ("a", "b"))
+    a.flag("x", "caught", 0.0), b.flag("x", "caught", 3.0), b.flag("y", "caught", 3.0)
+    assert a.group_bits(4.0) != b.group_bits(4.0)  # b also avoids y
+    a.flag("y", "caught", 4.0)
+    assert a.group_bits(4.0) == b.group_bits(4.0)
 
 
-class FailingAverager(FakeAverager):
-    def step(self, *, gather, weight, **_):
-        return FailedControl(self.group)
+def test_a_restarted_island_adopts_the_flags_of_a_majority():
+    quarantine = Quarantine(island="a", probation=60.0, slot_spacing=5.0, check_lead=1.0)
+    assert quarantine.adopt([("b", ["x"]), ("c", []), ("x", [])], 0.0) == []  # 1 of 2 voters (x has no say)
+    assert quarantine.adopt([("b", ["x", "a"]), ("c", ["x"]), ("x", ["b", "c"])], 0.0) == ["x"]
+    assert "x" in quarantine and "a" not in quarantine  # never flags itself
+    assert quarantine.adopt([("b", ["x"]), ("c", ["x"])], 1.0) == []  # already flagged
+    quarantine.expire(1e9)  # our probation of x is over while the others' still runs
+    assert quarantine.adopt([("b", ["x"]), ("c", ["x"])], 1e9) == []  # no re-adopting: our own probation decides
 
 
-def test_a_failed_round_frees_its_tensors_without_the_cyclic_gc():
-    # the failed future's exception must not keep the round's frames (snapshot, pseudo-gradient)
-    # alive in a reference cycle: the island's memory would grow with every failed round
+def _member(island, **fields):
+    return {"island": island, "version": 0, "hash": "h", "weight": 1.0, "delta_max": 0.5,
+            "norms": [1.0, 1.0], **fields}
+
+
+@pytest.mark.parametrize("codec,merge,lie", [
+    ("none", "mean", {"delta_max": float("nan")}),
+    ("none", "mean", {"delta_max": 1e30}),
+    ("none", "rda", {"norms": [1e300, 1.0]}),  # no clipped Delta is that long
+    ("none", "rda", {"norms": [1.0]}),
+    ("int4", "mean", {"exponents": np.full(2, 30, "<i2").tobytes()}),  # a grid coarser than its values need
+    ("int4", "mean", {"exponents": b"x"}),
+])
+def test_members_whose_metadata_no_honest_member_sends_are_named(codec, merge, lie):
+    fmt = RoundFormat(CONFIG.model_copy(update={"codec": codec, "merge": merge}), ("w", "b"), SHAPES)
+    honest = _member("a")
+    if codec != "none":
+        honest["exponents"] = fmt.write(fmt.contribution(_params(1, 0.01), 10, 1), [torch.zeros(s) for s in SHAPES])["exponents"]
+    liar = honest | {"island": "b"} | lie
+    assert fmt.misreporting([honest, liar], "a") == ["b"]
+    assert fmt.misreporting([honest, liar], "b") == []  # nobody names itself
+
+
+def test_malformed_members_are_not_members():
+    good = _member("a")
+    gathered = {i: m for i, m in enumerate([good, None, {**good, "weight": -1.0}, {**good, "weight": float("inf")},
+                                             {**good, "version": "1"}, {**good, "island": 3}])}
+    assert RoundFormat.members(gathered) == [good]
+
+
+def test_rda_keeps_embeddings_on_the_plain_mean():
+    fmt = RoundFormat(CONFIG.model_copy(update={"merge": "rda"}), ("embed_tokens.weight", "w"), SHAPES)
+    assert fmt.rda == [False, True]
+    assert fmt.offsets == [wire.wire_offset(CONFIG.max_delta), wire.wire_offset(1.0)]
+
+
+def test_a_failed_all_reduce_frees_its_tensors_without_the_cyclic_gc():
+    """hivemind's future keeps the exception, whose traceback holds the caller's frames (the snapshot,
+    the pseudo-gradient): the channel clears it, or the island's memory grew with every failed round."""
     import gc
     import weakref
 
-    theta = _params(0)
-    a, learner, events = _syncer("a", theta, [t - 0.05 for t in theta])
-    a.averagers = [FailingAverager(a, FakeGroup(2))]
-    taken = []
-    request = learner.request_snapshot
+    from p2p_diloco.net.channel import HivemindChannel
 
-    def tracked(fragment, timeout):
-        snapshot = request(fragment, timeout)
-        taken.append(weakref.ref(snapshot.params[0]))
-        return snapshot
+    class FailedControl:  # like hivemind's MPFuture after a failed round: it keeps one exception and raises it
+        exception = RuntimeError("could not find a group")
 
-    learner.request_snapshot = tracked
+        def result(self, timeout=None):
+            raise self.exception
+
+        def done(self):
+            return True
+
+    class AveragerDouble:
+        def is_alive(self):
+            return True
+
+        def step(self, **kwargs):
+            return FailedControl()
+
+    channel = object.__new__(HivemindChannel)
+    channel.averager, channel.allreduce_timeout, channel.levels = AveragerDouble(), 1.0, 0
+    channel._traffic = torch.zeros(3, dtype=torch.int64)
+    channel._shared = {"grid": torch.zeros(1, dtype=torch.int16), "failed_mask": torch.zeros(10, dtype=torch.uint8)}
+
+    def a_round():
+        payload = torch.zeros(1000)
+        ref = weakref.ref(payload)
+        assert channel.all_reduce(gather={}, weight=1.0, scheduled_time=time.time(), deadline=time.time() + 1,
+                                  stop=threading.Event()) is None
+        return ref
+
     gc.collect()
     gc.disable()
     try:
-        _round(a)
-        assert events[-1]["outcome"] == "fallback"
-        assert taken and taken[0]() is None
+        assert a_round()() is None
     finally:
         gc.enable()
 
 
-def test_a_restarted_island_adopts_the_flags_of_a_majority():
-    a, _, _ = _syncer("a", _params(0), _params(0))
-    assert a.adopt_flags([("b", ["x"]), ("c", []), ("x", [])]) == []  # 1 of 2 voters (x has no say on itself)
-    assert a.adopt_flags([("b", ["x", "a"]), ("c", ["x"]), ("x", ["b", "c"])]) == ["x"]
-    assert "x" in a.flagged and "a" not in a.flagged  # never flags itself
-    assert a.adopt_flags([("b", ["x"]), ("c", ["x"])]) == []  # already flagged
-    a.flagged.clear()  # our probation of x is over while the others' still runs
-    assert a.adopt_flags([("b", ["x"]), ("c", ["x"])]) == []  # no re-adopting: our own probation decides
-
-
-@pytest.mark.parametrize("codec,merge", [("int4", "mean"), ("none", "rda"), ("int4", "rda"), ("int2", "mean")])
-def test_compressed_and_rda_rounds_keep_members_identical_and_errors_local(codec, merge):
-    config = CONFIG.model_copy(update={"codec": codec, "merge": merge})
-    theta = _params(0)
-    local_a, local_b = [t - 0.01 * g for t, g in zip(theta, _params(1))], [t - 0.03 * g for t, g in zip(theta, _params(2))]
-    a, learner_a, events_a = _syncer("a", theta, local_a, config=config)
-    b, learner_b, events_b = _syncer("b", theta, local_b, config=config)
-    group = FakeGroup(2)
-    a.averagers, b.averagers = [FakeAverager(a, group)], [FakeAverager(b, group)]
-    _round(a, b)
-    assert events_a[-1]["outcome"] == events_b[-1]["outcome"] == "ok"
-    assert a.states[0].hash == b.states[0].hash  # bit-identical Theta on both members
-    deltas = [outer.pseudo_gradient(theta, local_a), outer.pseudo_gradient(theta, local_b)]
-    expected = (outer.rda_mean if merge == "rda" else outer.weighted_mean)(deltas, [1.0, 1.0])
-    # the first Nesterov step moves Theta by lr * (1 + momentum) * merged
-    merged = [(t - new) / (0.7 * 1.9) for t, new in zip(theta, a.states[0].theta)]
-    for j, (got, want) in enumerate(zip(merged, expected)):  # within half a grid step of the exact merge
-        largest = max(float(d[j].abs().max()) for d in deltas)
-        tolerance = 1e-5 if codec == "none" else largest * (1.0 / wire.LEVELS[codec] + 0.05) * (2 if merge == "rda" else 1)
-        torch.testing.assert_close(got, want, rtol=0, atol=tolerance)
-    # what was not sent stays local: carry = Theta_new - (snapshot + residual), |residual| <= half a step
-    for learner, local in ((learner_a, local_a), (learner_b, local_b)):
-        update = learner.updates[-1]
-        assert update.mode == "carry"
-        residual = [new - carry - snap for new, carry, snap in zip(a.states[0].theta, update.tensors, local)]
-        for j, r in enumerate(residual):  # the grid's step fits the larger member's values
-            levels = wire.LEVELS.get(codec, 0)
-            largest = max(float(d[j].abs().max()) for d in deltas)
-            bound = largest / levels if levels else 1e-6
-            assert float(r.abs().max()) <= bound * 1.001 + 1e-6
-        if codec != "none":
-            assert any(float(r.abs().max()) > 0 for r in residual)  # quantization error kept for next time
-    assert events_a[-1]["bytes_sent"] > 0 and events_a[-1]["bytes_received"] > 0
-    assert a.stats.bytes_sent == a.stats.round_bytes_sent == events_a[-1]["bytes_sent"]
-
-
-def test_rda_keeps_embeddings_on_the_plain_mean():
-    layout = FragmentLayout(fragments=(("embed_tokens.weight", "w"),), sizes=(10,))
-    a, _, _ = _syncer("a", _params(0), _params(1), config=CONFIG.model_copy(update={"merge": "rda"}), layout=layout)
-    assert a.rda == [[False, True]]
-    assert a.offsets[0][0] == a.offset and a.offsets[0][1] == outer.wire_offset(1.0)
-
-
-@pytest.mark.parametrize("codec,merge,lie", [
-    ("none", "rda", lambda g: g | {"norms": [1e300] * len(g["norms"])}),  # no clipped Delta is that long
-    ("int4", "mean", lambda g: g | {"exponents": np.full(len(g["exponents"]) // 2, 30, "<i2").tobytes()}),
-    ("int4", "mean", lambda g: g | {"delta_max": float("inf")}),
-])
-def test_a_member_lying_in_its_metadata_gets_the_round_rejected_and_is_flagged(codec, merge, lie):
-    config = CONFIG.model_copy(update={"codec": codec, "merge": merge})
-    theta = _params(0)
-    a, learner_a, events_a = _syncer("a", theta, [t - 0.01 * g for t, g in zip(theta, _params(1))], config=config)
-    b, _, _ = _syncer("b", theta, [t - 0.02 * g for t, g in zip(theta, _params(2))], config=config)
-    group = FakeGroup(2)
-    a.averagers, b.averagers = [FakeAverager(a, group)], [FakeAverager(b, group)]
-    b.averagers[0].tamper = lie
-    _round(a, b)
-    assert events_a[-1]["outcome"] == "rejected" and events_a[-1]["culprits"] == ["b"]
-    assert "b" in a.flagged and a.versions == [0] and not learner_a.updates
-
-
-def test_a_member_with_a_non_finite_weight_is_not_a_member():
-    theta = _params(0)
-    a, _, events_a = _syncer("a", theta, [t - 0.01 * g for t, g in zip(theta, _params(1))])
-    b, _, _ = _syncer("b", theta, [t - 0.02 * g for t, g in zip(theta, _params(2))])
-    group = FakeGroup(2)
-    a.averagers, b.averagers = [FakeAverager(a, group)], [FakeAverager(b, group)]
-    b.averagers[0].tamper = lambda g: g | {"weight": float("nan")}
-    _round(a, b)
-    assert events_a[-1]["outcome"] == "fallback" and events_a[-1]["group_size"] == 1
-
-
-def test_a_listener_keeps_its_whole_pseudo_gradient_for_later():
-    config = CONFIG.model_copy(update={"codec": "int4"})
-    theta = _params(0)
-    local_a = [t - 0.01 * g for t, g in zip(theta, _params(1))]
-    a, learner_a, events_a = _syncer("a", theta, local_a, config=config)
-    b, _, _ = _syncer("b", theta, [t - 0.02 * g for t, g in zip(theta, _params(2))], config=config)
-    learner_a.request_snapshot = lambda fragment, timeout: Snapshot(fragment, [p.clone() for p in local_a], 0, 0)
-    group = FakeGroup(2)
-    a.averagers, b.averagers = [FakeAverager(a, group)], [FakeAverager(b, group)]
-    _round(a, b)
-    assert events_a[-1]["outcome"] == "ok" and events_a[-1]["weight"] == 0.0
-    update = learner_a.updates[-1]
-    base = [new - carry for new, carry in zip(a.states[0].theta, update.tensors)]
-    for got, want in zip(base, theta):  # base = snapshot + Delta = the old Theta: all local progress kept
-        torch.testing.assert_close(got, want, rtol=0, atol=1e-6)
+def test_the_store_hands_over_and_publishes_together():
+    store = FragmentStore([SHAPES])
+    store.initialize([_params(0)])
+    seen = []
+    store.on_publish(lambda p, state: seen.append(state.version))
+    new = FragmentState(_params(1), _params(2), 5, "h")
+    learner = LearnerDouble(_params(0))
+    store.hand_over(0, new, "update", learner)
+    assert store.versions == [5] and learner.updates == ["update"] and seen == [0, 5]
+    states = store.consistent_states(lambda: seen.append("applied"))
+    assert states == [new] and seen[-1] == "applied"
+    with pytest.raises(ValueError, match="hash"):
+        store.restore([FragmentState(new.theta, new.momentum, 5, "wrong")])

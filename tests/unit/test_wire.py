@@ -8,7 +8,8 @@ import numpy as np
 import pytest
 import torch
 
-from p2p_diloco import wire
+from p2p_diloco.algo import grid as wire
+from p2p_diloco.net import codec as wire_codec
 
 
 def _hivemind_average(values: list[torch.Tensor], weights: list[float]) -> torch.Tensor:
@@ -65,7 +66,7 @@ def test_members_end_with_identical_bits_through_the_codec(codec):
     buffers = [[t.clone() for t in d] for d in deltas]
     for buffer in buffers:
         wire.put_on_grid_(buffer, reports, levels)
-    codec_obj = wire.make_codec(codec, torch.zeros(2, dtype=torch.int64))
+    codec_obj = wire_codec.make_codec(codec, torch.zeros(2, dtype=torch.int64))
     flat = [torch.cat([t.reshape(-1) for t in b]) for b in buffers]
     received = [codec_obj.extract(codec_obj.compress(f)) for f in flat]
     assert all(torch.equal(r, f) for r, f in zip(received, flat))  # lossless uplink
@@ -88,7 +89,7 @@ def test_int4_messages_are_over_six_times_smaller_than_fp32():
     reports = [wire.exponents_report(d, 7) for d in deltas]
     for d in deltas:
         wire.put_on_grid_(d, reports, 7)
-    grid, raw = wire.make_codec("int4"), wire.make_codec("none")
+    grid, raw = wire_codec.make_codec("int4"), wire_codec.make_codec("none")
     average = _hivemind_average([d[0] for d in deltas], [1.0, 2.0])
     up = len(grid.compress(deltas[0][0]).buffer)
     down = len(grid.compress(average - deltas[0][0]).buffer)
@@ -122,7 +123,7 @@ def test_bit_packing_round_trip_for_every_width():
 
 def test_codecs_count_the_bytes_of_each_message_they_send_and_receive():
     counters = torch.zeros(2, dtype=torch.int64)
-    codec = wire.make_codec("int8", counters)
+    codec = wire_codec.make_codec("int8", counters)
     tensor = wire.quantize(torch.linspace(-1, 1, 4096), wire.chunk_exponents(torch.linspace(-1, 1, 4096), 127), 127)
     message = codec.compress(tensor)
     assert counters.tolist() == [message.ByteSize(), 0]
@@ -136,17 +137,17 @@ def test_codec_names_and_estimates():
     assert wire.levels_of("none") == 0 and wire.levels_of("int4") == 7
     with pytest.raises(ValueError, match="unknown codec 'int3'"):
         wire.levels_of("int3")
-    assert wire.make_codec("int4").estimate_compression_ratio(None) == pytest.approx(4 / 32)
-    assert wire.make_codec("none").estimate_compression_ratio(None) == 1.0
+    assert wire_codec.make_codec("int4").estimate_compression_ratio(None) == pytest.approx(4 / 32)
+    assert wire_codec.make_codec("none").estimate_compression_ratio(None) == 1.0
 
 
 def test_install_makes_hivemind_decode_our_messages():
     from hivemind.compression import deserialize_torch_tensor, serialization, serialize_torch_tensor
 
-    codec = wire.make_codec("int4")
+    codec = wire_codec.make_codec("int4")
     before = dict(serialization._BASE_COMPRESSION_TYPES)
     try:
-        wire.install(codec)
+        wire_codec.install(codec)
         tensor = 1.5 * 2.0**10 + torch.arange(-7, 8, dtype=torch.float32) * 2.0**-13
         message = serialize_torch_tensor(tensor, codec.compression_type)  # the reducer's reply path
         assert len(message.buffer) < 1 + 4 * 15  # smaller than raw fp32, even with its header
@@ -167,7 +168,7 @@ def test_a_short_message_cannot_claim_more_values_than_its_tensor():
     good = wire.encode_grid(np.full(10, 1.5, dtype=np.float32))
     with pytest.raises(ValueError):
         wire.decode(good, expected=11)
-    codec = wire.make_codec("int4")
+    codec = wire_codec.make_codec("int4")
     message = codec.compress(torch.full((10,), 1.5))
     message.size[:] = [1 << 20, 1 << 20]
     with pytest.raises(ValueError, match="larger than any fragment part"):
@@ -190,7 +191,7 @@ def test_the_failure_recorder_marks_exactly_the_parts_of_a_failed_reducer():
 
     from hivemind.averaging.partition import TensorPartContainer
 
-    from p2p_diloco.transport import _FailureRecorder
+    from p2p_diloco.net.channel import _FailureRecorder
 
     tensors = [torch.zeros(30), torch.zeros(7, 5)]  # 65 elements, parts of 8 values
     container = TensorPartContainer(tensors, peer_fractions=(0.5, 0.3, 0.2), part_size_bytes=32)

@@ -1,0 +1,134 @@
+"""The learner's side of the hand-off with the syncer (docs/DESIGN.md, "One round"): snapshot requests
+that the syncer's threads queue and the learner answers at its next step boundary, and the outer
+updates they deliver, which the learner applies there. Nothing here waits on the network; the
+syncer's side waits at most its timeout.
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+from dataclasses import dataclass, field
+from typing import Optional, Sequence
+
+import torch
+
+from p2p_diloco.algo import outer
+from p2p_diloco.algo.handoff import OuterUpdate, Snapshot
+
+
+@dataclass
+class _SnapshotRequest:
+    fragment: int
+    done: threading.Event = field(default_factory=threading.Event)
+    lock: threading.Lock = field(default_factory=threading.Lock)
+    cancelled: bool = False
+    result: Optional[Snapshot] = None
+
+
+class StepBoundary:
+    """Snapshot requests and outer updates of one learner.
+
+    :param fragment_params: per fragment, the model's live parameters in layout order
+    :param stats: the learner's counters (``inner_steps``, ``tokens`` read; ``updates_applied`` written)
+    :param optimizer: the inner optimizer (a replacing update may clear its state of the parameters)
+    """
+
+    def __init__(self, fragment_params: Sequence[Sequence[torch.nn.Parameter]], stats, optimizer: torch.optim.Optimizer):
+        self.fragment_params, self.stats, self.optimizer = fragment_params, stats, optimizer
+        # (tokens, steps) totals at each fragment's last snapshot: what a snapshot reports is the difference
+        self.marks = [(0, 0)] * len(fragment_params)
+        self._requests: "queue.SimpleQueue[_SnapshotRequest]" = queue.SimpleQueue()
+        self._updates: "queue.SimpleQueue[OuterUpdate]" = queue.SimpleQueue()
+        self._held: list[OuterUpdate] = []  # delivered, waiting for their not_before_step (learner thread)
+        self._accepting = True
+
+    # ------------------------------------------------------------ the syncer's side (any thread)
+
+    def request_snapshot(self, fragment: int, timeout: float) -> Optional[Snapshot]:
+        """Ask for a copy of fragment ``fragment``'s parameters, taken at the next step boundary.
+
+        Resets that fragment's token/step counters. Returns None if the learner has stopped or does
+        not reach a step boundary within ``timeout`` seconds (the request is then dropped).
+        """
+        if not self._accepting:
+            return None
+        request = _SnapshotRequest(fragment)
+        self._requests.put(request)
+        request.done.wait(timeout)
+        with request.lock:
+            request.cancelled = not request.done.is_set()  # too late: the learner will skip it
+            return request.result
+
+    def deliver(self, update: OuterUpdate) -> None:
+        """Queue a round's result; it is applied before the next inner step."""
+        self._updates.put(update)
+
+    @torch.no_grad()
+    def apply_updates(self, force: bool = False, fragment: Optional[int] = None) -> None:
+        """Apply the queued :class:`OuterUpdate` s to the live parameters, each fragment's in order; an
+        update whose ``not_before_step`` is still ahead (``outer.overlap_steps``) waits, with the later
+        ones of its fragment, unless ``force`` (checkpoints must see every delivered update) or it is
+        of ``fragment`` (a snapshot of that fragment must see its updates)."""
+        self._held.extend(_drain(self._updates))
+        waiting, blocked = [], set()
+        for update in self._held:
+            ready = force or update.fragment == fragment or update.not_before_step <= self.stats.inner_steps
+            if update.fragment in blocked or not ready:
+                blocked.add(update.fragment)
+                waiting.append(update)
+                continue
+            self._apply(update)
+        self._held = waiting
+
+    @torch.no_grad()
+    def _apply(self, update: OuterUpdate) -> None:
+        """Land one update on its fragment's live parameters."""
+        params = self.fragment_params[update.fragment]
+        if update.mode == "carry":
+            outer.apply_carry(params, update.tensors)
+        elif update.mode == "mix":
+            outer.apply_mix(params, update.tensors, update.alpha)
+        else:  # replace
+            for param, theta in zip(params, update.tensors, strict=True):
+                param.copy_(theta)
+                if update.reset_optimizer:
+                    self.optimizer.state.pop(param, None)  # AdamW starts these moments afresh
+        self.stats.updates_applied += 1
+
+    @torch.no_grad()
+    def answer_snapshots(self) -> None:
+        """Copy the requested fragments to CPU fp32 and report the tokens/steps since their last copy.
+
+        The syncer delivers an update (a reload, say) before it asks for the snapshot that must see
+        it, so updates queued by then are applied first: a snapshot always matches the base the
+        syncer reports in its round.
+        """
+        for request in _drain(self._requests):
+            self.apply_updates(fragment=request.fragment)
+            with request.lock:
+                if request.cancelled:
+                    continue  # the syncer gave up waiting
+                p = request.fragment
+                copies = [param.detach().to("cpu", torch.float32, copy=True) for param in self.fragment_params[p]]
+                tokens, steps = self.stats.tokens, self.stats.inner_steps
+                request.result = Snapshot(p, copies, tokens - self.marks[p][0], steps - self.marks[p][1], steps)
+                self.marks[p] = (tokens, steps)
+                request.done.set()
+
+    def close(self) -> None:
+        """Stop taking snapshot requests and release any that wait."""
+        self._accepting = False
+        for request in _drain(self._requests):
+            with request.lock:
+                request.cancelled = True
+                request.done.set()
+
+
+def _drain(items: queue.SimpleQueue):
+    """Yield what a queue holds now, without blocking."""
+    while True:
+        try:
+            yield items.get_nowait()
+        except queue.Empty:
+            return

@@ -1,0 +1,89 @@
+"""How an island gets its global state before it trains (docs/DESIGN.md, "Joining, lagging and
+forks"): it refuses a run of another fingerprint, downloads Theta, the outer momentum and the
+versions from live islands (or starts from the seeded weights), or resumes from its own checkpoint.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from pathlib import Path
+from typing import Callable, Optional
+
+from p2p_diloco.errors import ConfigError, FingerprintMismatch, Interrupted
+from p2p_diloco.island import checkpoint as ckpt
+from p2p_diloco.island.store import FragmentStore
+from p2p_diloco.island.transfer import StateTransfer
+from p2p_diloco.net.records import IslandProgress
+
+logger = logging.getLogger(__name__)
+
+
+def check_fingerprint(others: list[IslandProgress], fingerprint: str, run_id: str) -> None:
+    """Refuse to join a run whose training islands all have another fingerprint.
+
+    :raises FingerprintMismatch: naming both fingerprints and what to change
+    """
+    training = [r for r in others if r.state == "training"]
+    if training and all(r.fingerprint != fingerprint for r in training):
+        theirs = ", ".join(sorted({r.fingerprint for r in training}))
+        raise FingerprintMismatch(
+            f"run {run_id!r} trains fingerprint {theirs} but this island has {fingerprint}: use the same "
+            "--preset/--config/--tokenizer/--data and outer settings as the swarm, or another --run-id"
+        )
+
+
+def join_from_peers(donors: list[IslandProgress], *, transfer: StateTransfer, store: FragmentStore, learner,
+                    events: Callable[[dict], None], timeout: float, stop: threading.Event) -> None:
+    """Download the global parameters from the live ``donors`` and load them into ``learner``, or
+    start from the seeded initial weights (the same on every island) when there are none or the
+    download fails (the first round's base check reloads them then).
+
+    :param timeout: seconds for the whole download
+    :raises Interrupted: ``stop`` was set while downloading
+    """
+    if donors:
+        logger.info("joining: downloading global parameters from %d live island(s)", len(donors))
+        events({"event": "join_start", "donors": sorted(r.island for r in donors)})
+        if transfer.load_all(timeout=timeout, stop=stop):
+            for p in range(store.num_fragments):
+                learner.load_global(p, store.global_params(p))
+            logger.info("joined at fragment versions %s", store.versions)
+            return
+        if stop.is_set():
+            raise Interrupted("interrupted while downloading the global parameters")
+        logger.warning("could not download the global parameters; starting from the initial weights "
+                       "(the first round's base check reloads them)")
+    store.initialize(learner.fragment_params)
+
+
+def find_checkpoint(directory: str, fingerprint: str) -> tuple[Optional[ckpt.IslandCheckpoint], Optional[Path]]:
+    """The newest valid checkpoint of this run in ``directory`` (None, None if there is none).
+
+    :raises ConfigError: the folder's newest checkpoint belongs to another configuration
+    """
+    try:
+        saved, path = ckpt.load_newest(directory, fingerprint=fingerprint)
+    except ckpt.CheckpointMismatch as e:
+        raise ConfigError(f"--checkpoint-dir: {e}; use another folder for this configuration") from None
+    if saved is not None:
+        logger.info("resuming from %s (inner step %d, fragment versions %s)", path, saved.meta["inner_step"],
+                    [f.version for f in saved.fragments])
+    return saved, path
+
+
+def restore_from_checkpoint(saved: ckpt.IslandCheckpoint, path: Path, *, store: FragmentStore, learner, sampler,
+                            events: Callable[[dict], None]) -> None:
+    """Continue from a checkpoint: global states, then the inner state and the data position. A swarm
+    that moved on meanwhile is caught up by the first round's base check (keeping local progress).
+
+    :raises ConfigError: the checkpoint does not fit this model
+    """
+    try:
+        store.restore(saved.fragments)
+        learner.restore(saved.params, saved.optimizer, saved.scheduler, saved.meta)
+    except (ValueError, KeyError) as e:
+        raise ConfigError(f"--checkpoint-dir: {path} does not fit this model ({e})") from None
+    if saved.meta.get("sampler"):
+        sampler.rng.bit_generator.state = saved.meta["sampler"]
+    events({"event": "resume", "path": str(path), "inner_step": saved.meta["inner_step"], "versions": store.versions})

@@ -1,0 +1,106 @@
+"""Which islands this one keeps out of its rounds, and until when (docs/DESIGN.md, "What is
+validated where"): an island caught sending garbage (NaN, Inf, values out of bounds, lying metadata)
+is flagged for a probation that doubles with each strike, and islands that flagged the same ones
+meet under the same group key. Pure logic: the wall clock is an argument, never read here.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import math
+import threading
+from typing import Callable, Optional, Sequence
+
+logger = logging.getLogger(__name__)
+
+
+class Quarantine:
+    """Flags and probations of one island.
+
+    A transient fault costs little, a persistent one is retried ever more rarely, and a retry costs
+    one rejected round, no inner progress. A probation ends halfway between two rounds on the
+    swarm-wide clock, so islands that caught the same member in the same round free it alike.
+
+    :param island: this island's name (it never flags itself)
+    :param probation: seconds of the first probation (``outer.flag_probation``); doubled per strike
+    :param slot_spacing: seconds between two rounds on the clock (T_outer / P)
+    :param check_lead: seconds before a slot at which its round checks the flags (matchmaking time)
+    :param events: takes ``flag`` and ``unflag`` events (the island's JSONL log)
+    """
+
+    def __init__(self, *, island: str, probation: float, slot_spacing: float, check_lead: float,
+                 events: Callable[[dict], None] = lambda event: None):
+        self.island, self.probation, self.events = island, probation, events
+        self.slot_spacing, self.check_lead = slot_spacing, check_lead
+        self.flagged: dict[str, float] = {}  # island -> end of its probation (wall clock)
+        self.strikes: dict[str, int] = {}  # times each island was flagged
+        self._lock = threading.Lock()  # round threads catch, the reporter's thread adopts
+
+    def __contains__(self, island: str) -> bool:
+        return island in self.flagged
+
+    def names(self) -> list[str]:
+        """The islands flagged now, sorted."""
+        with self._lock:
+            return sorted(self.flagged)
+
+    def flag(self, island: str, how: str, now: float) -> float:
+        """Keep ``island`` out of our rounds for its probation, from wall-clock time ``now``.
+
+        :param how: ``caught`` (by one of our rounds) or ``adopted`` (from the other islands' word)
+        :returns: the probation in seconds, or 0 if it is flagged already
+        """
+        with self._lock:
+            if island in self.flagged:
+                return 0.0
+            self.strikes[island] = self.strikes.get(island, 0) + 1
+            seconds = self.probation * 2.0 ** min(self.strikes[island] - 1, 16)
+            # halfway between two rounds' checks (made check_lead before each slot)
+            step, shift = self.slot_spacing, self.check_lead - self.slot_spacing / 2
+            self.flagged[island] = math.ceil((now + seconds + shift) / step) * step - shift
+        self.events({"event": "flag", "culprit": island, "how": how, "seconds": seconds})
+        return seconds
+
+    def expire(self, now: float) -> list[str]:
+        """End the probations that are over at ``now``; returns those islands (they may join again)."""
+        with self._lock:
+            over = [island for island, until in self.flagged.items() if until <= now]
+            for island in over:
+                del self.flagged[island]
+        for island in over:
+            logger.warning("island %s: probation over, its rounds are no longer avoided", island)
+            self.events({"event": "unflag", "culprit": island})
+        return over
+
+    def group_bits(self, now: float) -> Optional[str]:
+        """The group-key bits that keep us away from the flagged islands at ``now``: 8 bits derived
+        from their names (islands that flagged the same ones meet), "" once nobody is flagged any
+        more, and None while we never flagged anyone (the default key, left untouched)."""
+        self.expire(now)
+        with self._lock:
+            flagged, ever = sorted(self.flagged), bool(self.strikes)
+        if not flagged:
+            return "" if ever else None
+        return format(hashlib.sha256("|".join(flagged).encode()).digest()[0], "08b")
+
+    def adopt(self, reports: Sequence[tuple[str, Sequence[str]]], now: float) -> list[str]:
+        """Flag the islands that a strict majority of the other live islands flagged (their records'
+        ``flagged``), so that a restarted island keeps away from a faulty one at once instead of
+        meeting it under the default group key first. Only islands this one never flagged: otherwise
+        islands would re-adopt each other's flags and no probation would ever end.
+
+        :param reports: (island, islands it flagged) of the other live islands
+        :returns: the islands newly flagged
+        """
+        adopted = []
+        for culprit in sorted({c for _, flags in reports for c in flags}):
+            if culprit == self.island or culprit in self.strikes:
+                continue  # ours to judge: we caught it (or adopted it) before, and its probation is ours
+            voters = [flags for island, flags in reports if island != culprit]
+            votes = sum(culprit in flags for flags in voters)
+            if voters and 2 * votes > len(voters) and self.flag(culprit, "adopted", now):
+                logger.warning("island %s was flagged by %d of %d other islands: its rounds are avoided",
+                               culprit, votes, len(voters))
+                adopted.append(culprit)
+        return adopted

@@ -1,0 +1,72 @@
+"""Base repair: an island whose Theta_p is behind the swarm's (a missed round) or a lone fork reloads
+fragment p from a peer before its next round, keeping its own inner progress, instead of sending a
+pseudo-gradient computed from the wrong base (docs/DESIGN.md, "Joining, lagging and forks").
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Callable, Optional
+
+from p2p_diloco.algo import outer
+from p2p_diloco.island.quarantine import Quarantine
+from p2p_diloco.island.store import FragmentState, FragmentStore, HandOver
+from p2p_diloco.island.transfer import StateTransfer
+
+SwarmBases = Callable[[], list[tuple[str, list[int], list[str]]]]  # (island, fragment versions, fragment hashes)
+
+
+class BaseRepair:
+    """Compares our (version, hash) of each fragment with the other live islands' and reloads.
+
+    :param store: our global states
+    :param transfer: state downloads
+    :param quarantine: flagged islands, whose word does not count
+    :param swarm_bases: (island, fragment versions, fragment hashes) reported by the other live islands
+    :param hand_over: hands a reloaded state to the learner, keeping the local progress made since
+        our own Theta_p
+    :param events: takes ``reload`` events
+    """
+
+    def __init__(self, *, store: FragmentStore, transfer: StateTransfer, quarantine: Quarantine,
+                 swarm_bases: SwarmBases, hand_over: HandOver, events: Callable[[dict], None]):
+        self.store, self.transfer, self.quarantine = store, transfer, quarantine
+        self.swarm_bases, self.hand_over, self.events = swarm_bases, hand_over, events
+
+    def target(self, p: int, state: FragmentState) -> Optional[tuple[int, str]]:
+        """The (version, hash) of fragment p to reload, from the other live islands' records, or None.
+
+        Only a clear signal counts: a newer version (we missed a round), or, at our version, a fork
+        that strictly more islands hold than ours (we forked alone). Ties are left to the next round,
+        whose gathered metadata is the same for every member.
+        """
+        bases = [(state.version, state.hash)]
+        for island, versions, hashes in self.swarm_bases():
+            if island not in self.quarantine and len(versions) > p and len(hashes) > p and hashes[p]:
+                bases.append((versions[p], hashes[p]))
+        newest = max(version for version, _ in bases)
+        counts: dict[tuple[int, str], int] = {}
+        for base in bases:
+            counts[base] = counts.get(base, 0) + 1
+        if newest > state.version:
+            return outer.canonical_base([base for base in bases if base[0] == newest])
+        best = max((base for base in counts if base[0] == state.version), key=counts.__getitem__)
+        return best if counts[best] > counts[(state.version, state.hash)] else None
+
+    def repair(self, p: int, *, deadline: float, why: str) -> bool:
+        """If the swarm's Theta_p differs from ours (see :meth:`target`), download it before
+        ``deadline`` (wall clock) and hand it to the learner, keeping the local progress made since
+        our own Theta_p. Returns False only when a reload was needed and failed."""
+        state = self.store.states[p]
+        target = self.target(p, state)
+        if target is None:
+            return True
+        started = time.time()
+        fresh = self.transfer.download_until(p, min_version=target[0], want_hash=target[1],
+                                             deadline=time.monotonic() + max(0.5, deadline - started))
+        if fresh is not None:
+            self.hand_over(p, fresh, state.theta, reason="reload")
+        self.events({"event": "reload", "why": why, "fragment": p, "t_start": started, "t_end": time.time(),
+                     "base_version": state.version, "target_version": target[0], "reloaded": fresh is not None,
+                     "new_version": self.store.versions[p], "new_hash": self.store.hashes[p]})
+        return fresh is not None

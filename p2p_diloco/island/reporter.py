@@ -1,0 +1,145 @@
+"""The island's progress reports: every few seconds its signed record goes to the DHT, the other
+islands' records are read (for the syncer's base repair and adopted flags), lost peers are dialled
+again, and a status line is shown (docs/DESIGN.md, "Threads and processes")."""
+
+from __future__ import annotations
+
+import logging
+import sys
+import threading
+import time
+from typing import Callable, Optional
+
+from p2p_diloco.net.records import IslandProgress, ProgressBoard
+
+logger = logging.getLogger(__name__)
+
+
+class Reporter:
+    """Every ``period`` seconds: checks the island's helper processes, publishes its progress record,
+    reads the other islands' records and shows a status line.
+
+    :param build_record: returns this island's :class:`IslandProgress` for a state name
+    :param show: takes (other islands' records, tick) and displays a status line
+    :param health: returns None, or why the island cannot go on (a dead helper process)
+    :param on_failure: called once when ``health`` reports a problem
+    :param reconnect: takes {peer id: multiaddrs} of peers to dial again and returns a future (or
+        None); called every ``heal_every`` seconds for islands this one knew but no longer sees, and
+        for the initial peers while it sees nobody (see :func:`reconnect_peers`)
+    :param initial: the initial peers, {peer id: multiaddrs}
+    :param on_records: takes the other islands' records after each read
+    """
+
+    def __init__(self, board: ProgressBoard, build_record: Callable[[str], IslandProgress], *, period: float,
+                 ttl: float, fingerprint: str, island: str, show: Callable[[list, int], None],
+                 health: Callable[[], Optional[str]], on_failure: Callable[[], None],
+                 reconnect: Optional[Callable[[dict], object]] = None, initial: Optional[dict] = None,
+                 heal_every: float = 5.0, forget_after: float = 600.0,
+                 on_records: Optional[Callable[[list], None]] = None):
+        self.board, self.build_record, self.period, self.ttl = board, build_record, period, ttl
+        self.fingerprint, self.island, self.show = fingerprint, island, show
+        self.health, self.on_failure = health, on_failure
+        self.reconnect, self.initial = reconnect, dict(initial or {})
+        self.heal_every, self.forget_after = heal_every, forget_after
+        self.on_records = on_records
+        self.known: dict[str, tuple[list[str], float]] = {}  # peer id -> (multiaddrs, last seen)
+        self._healing = None
+        self._alone = False
+        self._last_heal = 0.0
+        self.others: list[IslandProgress] = []
+        self.state = "loading"
+        self.failure: Optional[str] = None
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._loop, name="reporter", daemon=True)
+
+    def start(self) -> None:
+        """Start the background thread."""
+        self._thread.start()
+
+    def swarm_bases(self) -> list[tuple[str, list[int], list[str]]]:
+        """(island, fragment versions, fragment hashes) of the other live, training islands of this run."""
+        return [(r.island, r.fragment_versions, r.fragment_hashes) for r in self.others
+                if r.state == "training" and r.fingerprint == self.fingerprint]
+
+    def _loop(self) -> None:
+        tick = 0
+        while not self._stop.is_set():
+            try:
+                self.failure = self.health()
+                if self.failure:
+                    logger.error("%s: stopping the island", self.failure)
+                    self.on_failure()
+                    return
+                self.board.publish(self.build_record(self.state), self.ttl)
+                self.others = [r for r in self.board.read() if r.island != self.island]
+                if self.on_records is not None:
+                    self.on_records(self.others)
+                self._heal()
+                self.show(self.others, tick)
+            except Exception as e:  # a display or record bug must not silence the island
+                logger.warning("progress report failed: %r", e)
+            tick += 1
+            self._stop.wait(self.period)
+
+    def _heal(self) -> None:
+        """Dial again the islands we knew but no longer see (their records expired: dead, frozen or
+        cut off), so that a partition heals even after the bootstrap node is gone."""
+        now = time.time()
+        for record in self.others:
+            self.known[record.peer_id] = (list(record.maddrs), now)
+        if self.reconnect is None or now - self._last_heal < self.heal_every:
+            return
+        if self._healing is not None and not self._healing.done():
+            return  # the previous attempt is still dialling
+        if self._healing is not None:
+            try:
+                answered = self._healing.result(timeout=0)
+            except Exception as e:
+                answered = None
+                logger.info("reconnecting failed: %r", e)
+            if self._alone and answered:
+                logger.info("reconnect: %d peer(s) answered", answered)
+            self._healing = None
+        visible = {record.peer_id for record in self.others}
+        if not visible and self.known and not self._alone:
+            logger.warning("no other island is visible any more; dialling the %d peer(s) we knew", len(self.known))
+        self._alone = not visible
+        missing = {peer: maddrs for peer, (maddrs, seen) in self.known.items()
+                   if peer not in visible and now - seen < self.forget_after}
+        if not visible:
+            missing |= {peer: maddrs for peer, maddrs in self.initial.items() if peer not in missing}
+        self._last_heal = now
+        if missing:
+            logger.debug("reconnecting to %d peer(s) we no longer see", len(missing))
+            self._healing = self.reconnect(missing)
+
+    def stop(self) -> None:
+        """Stop the thread (waits for a DHT call in flight, bounded by the board's timeout)."""
+        self._stop.set()
+        self._thread.join(timeout=self.board.timeout + self.period)
+
+
+class StatusLine:
+    """One line of progress: rich's live line on a TTY, a log line every ``every`` ticks elsewhere."""
+
+    def __init__(self, every: int = 5):
+        self.every = every
+        self.live = None
+        if sys.stderr.isatty():
+            from rich.console import Console
+            from rich.live import Live
+
+            self.live = Live(console=Console(stderr=True), refresh_per_second=2, transient=True)
+            self.live.start()
+
+    def update(self, text: str, tick: int) -> None:
+        """Show ``text`` (tick counts reports, for the non-TTY rate limit)."""
+        if self.live is not None:
+            self.live.update(text)
+        elif tick % self.every == 0:
+            logger.info(text)
+
+    def close(self) -> None:
+        """Remove the live line."""
+        if self.live is not None:
+            self.live.stop()

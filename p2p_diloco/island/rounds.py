@@ -1,0 +1,187 @@
+"""One outer round of one fragment, from a snapshot to a new global state (docs/DESIGN.md, "One
+round"; Decoupled DiLoCo, arXiv 2604.21428; DiLoCo, arXiv 2311.08105, Alg. 1, lines 12-14).
+
+:meth:`OuterRound.run` computes the pseudo-gradient, averages it through the fragment's channel with
+whoever shows up, checks what came back, merges, applies the outer step and returns a
+:class:`RoundOutcome`: what to hand to the learner and the figures of the round's event. It does not
+touch the syncer's counters or the learner; the syncer does, from the outcome.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Optional
+
+import torch
+
+from p2p_diloco.algo import outer
+from p2p_diloco.algo.handoff import Snapshot
+from p2p_diloco.algo.schedule import RoundSlot
+from p2p_diloco.config import OuterConfig
+from p2p_diloco.island.contribution import LISTENER_WEIGHT, Contribution, RoundFormat
+from p2p_diloco.island.quarantine import Quarantine
+from p2p_diloco.island.store import FragmentState
+from p2p_diloco.island.transfer import StateTransfer
+from p2p_diloco.net.channel import FragmentChannel
+
+logger = logging.getLogger(__name__)
+
+OUTCOMES = ("ok", "empty", "fallback", "rejected", "nonfinite", "cancelled", "no_snapshot")
+
+
+@dataclass
+class RoundOutcome:
+    """What a round produced.
+
+    :param outcome: ``ok`` (a group of 2+ averaged), ``empty`` (a group whose members all had
+        nothing to contribute: nothing to apply), ``fallback`` (no group: the island's own
+        pseudo-gradient), ``rejected`` (a member sent garbage: nothing applied), ``nonfinite`` (our
+        own parameters went NaN/Inf), ``cancelled`` (the syncer stopped), ``no_snapshot``
+    :param state: the new Theta_p to hand to the learner (None: nothing changes)
+    :param base: what the learner's progress is measured from when ``state`` lands; None with a
+        state replaces the local parameters outright
+    :param reset_optimizer: with a replacement, clear the inner optimizer's state too (after NaN/Inf)
+    :param group_size: members of the group (ok/empty/fallback/rejected)
+    :param clipped: pseudo-gradient elements clipped to +-max_delta
+    :param seconds: from the slot to the end of the all-reduce (its bytes per inner step)
+    :param figures: the round event's fields (members, weights, bytes, versions, ...)
+    """
+
+    outcome: str
+    state: Optional[FragmentState] = None
+    base: Optional[list[torch.Tensor]] = None
+    reset_optimizer: bool = False
+    group_size: int = 0
+    clipped: int = 0
+    seconds: float = 0.0
+    figures: dict = field(default_factory=dict)
+
+
+class OuterRound:
+    """The rounds of one fragment.
+
+    :param island: this island's name (sent with every round)
+    :param config: the outer settings
+    :param wire: the fragment's wire format and checks
+    :param channel: the fragment's averaging channel
+    :param transfer: state downloads (a member whose base was older or a fork reloads the result)
+    :param quarantine: the islands we keep out of our rounds (and flag when caught)
+    :param stop: set when the syncer stops: a round in flight is abandoned
+    """
+
+    def __init__(self, *, island: str, config: OuterConfig, wire: RoundFormat, channel: FragmentChannel,
+                 transfer: StateTransfer, quarantine: Quarantine, stop: threading.Event):
+        self.island, self.config, self.wire, self.channel = island, config, wire, channel
+        self.transfer, self.quarantine, self.stop = transfer, quarantine, stop
+
+    def run(self, p: int, slot: RoundSlot, state: FragmentState, snapshot: Snapshot) -> RoundOutcome:
+        """Average fragment p's pseudo-gradient ``Theta_p - snapshot`` at ``slot`` and step ``state``."""
+        delta = outer.pseudo_gradient(state.theta, snapshot.params)
+        if not outer.all_finite(delta):
+            return self._recover_from_nonfinite(p, state)
+        mine = self.wire.contribution(delta, snapshot.tokens, snapshot.steps)
+        with self.channel.tensors() as buffers:
+            report = self.wire.write(mine, buffers)
+        gather = dict(island=self.island, version=state.version, hash=state.hash, weight=mine.weight,
+                      tokens=snapshot.tokens, steps=snapshot.steps, **report)
+        bits = self.quarantine.group_bits(time.time())
+        if bits is not None:  # meet only islands that flagged the same ones
+            self.channel.set_group_bits(bits)
+        before = self.channel.traffic()
+        # past the slot, keep looking for members (up to K, hivemind's min_group_size) for the grace window
+        deadline = slot.time + max(self.config.grace_window, self.config.request_timeout)
+        gathered = self.channel.all_reduce(gather=gather, weight=max(mine.weight, LISTENER_WEIGHT),
+                                           scheduled_time=slot.time, deadline=deadline, stop=self.stop)
+        after, seconds = self.channel.traffic(), time.time() - slot.time
+        figures = {"bytes_sent": after[0] - before[0], "bytes_received": after[1] - before[1],
+                   "base_version": state.version, "base_hash": state.hash, "weight": mine.weight,
+                   "tokens": snapshot.tokens, "steps": snapshot.steps, "clipped": mine.clipped,
+                   "contributed": snapshot.steps > 0}
+        if self.stop.is_set():  # shutting down: the round is abandoned, not failed
+            return RoundOutcome("cancelled", clipped=mine.clipped, seconds=seconds, figures=figures)
+        members = self.wire.members(gathered)
+        if gathered is not None and len(members) >= 2:
+            outcome = self._merge(p, state, snapshot, mine, members, figures)
+            if outcome is not None:
+                outcome.seconds = seconds
+                return outcome
+        else:
+            figures["unaveraged"] = 0.0
+        new_state = state.stepped(delta, state.version + 1, 1, **self._optimizer())
+        figures["group_size"] = 1 if gathered is None else len(members)
+        return RoundOutcome("fallback", new_state, snapshot.params, group_size=figures["group_size"],
+                            clipped=mine.clipped, seconds=seconds, figures=figures)
+
+    def _merge(self, p: int, state: FragmentState, snapshot: Snapshot, mine: Contribution, members: list[dict],
+               figures: dict) -> Optional[RoundOutcome]:
+        """The outcome of a group of 2+ members, or None when no part of the fragment was averaged
+        (the round then falls back to our own pseudo-gradient)."""
+        report = self.channel.report()
+        with self.channel.tensors() as buffers:
+            merged, sent, exponents = self.wire.read(buffers, mine.values, report.grid)
+        figures["unaveraged"] = 0.0  # share of the fragment no reducer averaged (zeroed): a dropped member
+        culprits = self.wire.misreporting(members, self.island)
+        if culprits or not self.wire.valid_result(merged, exponents):
+            return self._reject(members, culprits, mine, figures)
+        masks = self.wire.unaveraged(merged, sent, members, mine.weight, report.failed, report.failed_mask)
+        if masks is not None:
+            figures["unaveraged"] = self.wire.drop_unaveraged(merged, sent, masks)
+        merged = self.wire.merge(merged, members)
+        if not outer.all_finite(merged):
+            return self._reject(members, [], mine, figures)
+        if figures["unaveraged"] >= 1.0:
+            return None
+        base = self.wire.carry_base(snapshot.params, mine, sent)
+        return self._apply_group_result(p, state, members, merged, base, mine, figures)
+
+    def _apply_group_result(self, p: int, state: FragmentState, members: list[dict], merged: list[torch.Tensor],
+                            base: list[torch.Tensor], mine: Contribution, figures: dict) -> RoundOutcome:
+        """The new state after a round of 2+ members: the outer step on the canonical base, or the
+        result downloaded from a member that holds it when our base was older or a fork."""
+        ours = (state.version, state.hash)
+        canonical = outer.canonical_base([(m["version"], m["hash"]) for m in members])
+        new_version = max(m["version"] for m in members) + 1
+        support = sum((m["version"], m["hash"]) == canonical for m in members)
+        figures.update(group_size=len(members), members=sorted(m["island"] for m in members),
+                       group_max_version=new_version - 1, canonical=ours == canonical)
+        done = dict(group_size=len(members), clipped=mine.clipped, figures=figures)
+        if sum(m["weight"] for m in members) <= 0.0:
+            return RoundOutcome("empty", **done)  # nobody trained anything since the last round
+        if ours == canonical:
+            return RoundOutcome("ok", state.stepped(merged, new_version, support, **self._optimizer()), base, **done)
+        budget = self.config.allreduce_timeout + self.config.grace_window
+        fresh = self.transfer.download_until(p, min_version=new_version, deadline=time.monotonic() + budget)
+        figures["reloaded"] = fresh is not None
+        # without a donor, keep training on our own fork: the next round's base check heals it
+        new_state = fresh if fresh is not None else state.stepped(merged, new_version, 1, **self._optimizer())
+        return RoundOutcome("ok", new_state, base, **done)
+
+    def _reject(self, members: list[dict], culprits: list[str], mine: Contribution, figures: dict) -> RoundOutcome:
+        """A member sent NaN, Inf, unclipped values or lied in its metadata: the round's result is not
+        applied by anyone (every member sees the same result and metadata and decides alike, so their
+        Theta stay identical and no inner progress is lost: it goes into the next round). Members
+        whose own report of what they sent is out of bounds (or ``culprits`` found otherwise) are
+        flagged and kept out of our later rounds."""
+        culprits = sorted(set(culprits) | set(self.wire.out_of_bounds(members, self.island)))
+        for island in culprits:
+            seconds = self.quarantine.flag(island, "caught", time.time())
+            if seconds:
+                logger.error("island %s sent an invalid pseudo-gradient: flagged, its rounds are avoided for %.0f s",
+                             island, seconds)
+        figures.update(culprits=culprits, members=sorted(m["island"] for m in members), group_size=len(members))
+        return RoundOutcome("rejected", group_size=len(members), clipped=mine.clipped, figures=figures)
+
+    def _recover_from_nonfinite(self, p: int, state: FragmentState) -> RoundOutcome:
+        """The island's own parameters went NaN/Inf: never send them; replace them by the global ones
+        (from peers if they have newer, else our own Theta_p) and clear the inner optimizer's state."""
+        logger.error("fragment %d: local parameters have NaN/Inf; not contributing, resetting them", p)
+        fresh = self.transfer.download_until(p, min_version=state.version, deadline=time.monotonic() + 2.0)
+        return RoundOutcome("nonfinite", fresh or state, None, reset_optimizer=True,
+                            figures={"reloaded": fresh is not None})
+
+    def _optimizer(self) -> dict:
+        cfg = self.config
+        return dict(lr=cfg.lr, momentum=cfg.momentum, nesterov=cfg.nesterov)

@@ -1,0 +1,139 @@
+"""State transfer: serving this island's fragment states to peers that download them, and
+downloading them from peers, with donor failover (docs/DESIGN.md, "Joining, lagging and forks").
+
+A download is trusted only as far as it can be checked: the donor's run fingerprint and fragment,
+the shapes, finite values, a version at least the one asked for, and a hash computed here.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from typing import Callable, Optional, Sequence
+
+import torch
+
+from p2p_diloco.algo import outer
+from p2p_diloco.island.store import FragmentState, FragmentStore
+from p2p_diloco.net.channel import FragmentChannel, next_chunk_timeout
+
+logger = logging.getLogger(__name__)
+
+
+class StateTransfer:
+    """Donations and downloads of fragment states for one island.
+
+    :param store: the island's global states (what is served, what a download is checked against)
+    :param stats: the syncer's counters (state bytes sent and received, reloads)
+    :param fingerprint: the run fingerprint; donors must match it
+    :param events: takes ``donate`` events (the island's JSONL log)
+    :param allreduce_timeout: seconds of a round's all-reduce (a downloader gives up on a donor whose
+        first chunk takes longer than hivemind's ``next_chunk_timeout`` of it)
+    :param stop: once set, downloads give up
+    """
+
+    def __init__(self, store: FragmentStore, stats, *, fingerprint: str, events: Callable[[dict], None],
+                 allreduce_timeout: float, stop: threading.Event):
+        self.store, self.stats, self.fingerprint, self.events = store, stats, fingerprint, events
+        self.allreduce_timeout, self.stop = allreduce_timeout, stop
+        self.channels: Sequence[FragmentChannel] = []
+
+    def attach(self, channels: Sequence[FragmentChannel]) -> None:
+        """Download through these channels, one per fragment (opened after the DHT)."""
+        self.channels = channels
+
+    # ---------------------------------------------------------------- serving
+
+    def donate(self, p: int) -> tuple[dict, list[torch.Tensor]]:
+        """Fragment p's state for a peer that downloads it (called by hivemind's fetch thread).
+
+        Returns copies: hivemind moves what it sends into shared memory, which must not happen to
+        tensors other threads are reading.
+
+        :raises RuntimeError: before the store is initialised
+        """
+        if self.store.states[p] is None:
+            raise RuntimeError("state not ready")
+        self.events({"event": "donate", "fragment": p})
+        # the downloader gives up when the first chunk takes longer than next_chunk_timeout
+        self.before_serving(p, budget=0.8 * next_chunk_timeout(self.allreduce_timeout))
+        state = self.store.states[p]
+        tensors = [t.clone() for t in state.theta + state.momentum]
+        self.stats.add(state_bytes_sent=sum(t.numel() * t.element_size() for t in tensors))
+        metadata = dict(fingerprint=self.fingerprint, fragment=p, version=state.version, hash=state.hash,
+                        support=state.support)
+        return metadata, tensors
+
+    def before_serving(self, p: int, budget: float) -> None:
+        """Wait (up to 2 s, within ``budget`` seconds) for a round of fragment p in flight: a donor
+        prefers to serve the state after the round. The lab overrides this to make a slow donor."""
+        self.store.wait_idle(p, timeout=min(2.0, budget))
+
+    # ---------------------------------------------------------------- downloading
+
+    def download(self, p: int, *, min_version: int, want_hash: str = "", timeout: float) -> Optional[FragmentState]:
+        """Fragment p's state from the best donor if it is valid, at least ``min_version`` and, when
+        ``want_hash`` is given and the version is exactly ``min_version``, that exact Theta_p."""
+        result = self.channels[p].load_state(timeout=timeout)
+        if result is None:
+            return None
+        metadata, tensors = result
+        shapes = self.store.shapes[p]
+        n = len(shapes)
+        if (
+            not isinstance(metadata, dict)
+            or metadata.get("fingerprint") != self.fingerprint
+            or metadata.get("fragment") != p
+            or len(tensors) != 2 * n
+            or any(t.shape != shape for t, shape in zip(tensors, shapes * 2))
+        ):
+            logger.warning("ignored a malformed state download for fragment %d", p)
+            return None
+        version = int(metadata.get("version", -1))
+        if version < min_version:
+            logger.debug("donor of fragment %d has version %d < %d", p, version, min_version)
+            return None
+        theta = [t.to(torch.float32).contiguous() for t in tensors[:n]]
+        momentum = [t.to(torch.float32).contiguous() for t in tensors[n:]]
+        self.stats.add(state_bytes_received=sum(t.numel() * t.element_size() for t in tensors))
+        if not outer.all_finite(theta + momentum):
+            logger.warning("ignored a state download with NaN/Inf for fragment %d", p)
+            return None
+        digest = outer.tensors_hash(theta)  # computed here: the donor's word is not enough
+        if want_hash and version == min_version and digest != want_hash:
+            logger.debug("donor of fragment %d holds another fork of version %d", p, version)
+            return None
+        self.stats.add(reloads=1)
+        return FragmentState(theta, momentum, version, digest, int(metadata.get("support", 1)))
+
+    def download_until(self, p: int, *, min_version: int, deadline: float, want_hash: str = "",
+                       stop: Optional[threading.Event] = None) -> Optional[FragmentState]:
+        """Retry :meth:`download` (another donor may answer, or the first may finish its round) until
+        ``deadline`` (time.monotonic() seconds) or ``stop`` (default: the syncer's)."""
+        stop = stop or self.stop
+        while not stop.is_set():
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                return None
+            state = self.download(p, min_version=min_version, want_hash=want_hash, timeout=min(10.0, max(1.0, remaining)))
+            if state is not None:
+                return state
+            stop.wait(min(0.5, max(0.0, deadline - time.monotonic())))
+        return None
+
+    def load_all(self, *, timeout: float, stop: threading.Event) -> bool:
+        """Download Theta_p, m_p and v_p of every fragment from live peers and publish them (a
+        joining island).
+
+        :param timeout: seconds for all fragments together
+        :returns: True when every fragment was loaded; False leaves unloaded fragments as they were
+        """
+        deadline = time.monotonic() + timeout
+        for p in range(self.store.num_fragments):
+            state = self.download_until(p, min_version=0, deadline=deadline, stop=stop)
+            if state is None:
+                return False
+            self.store.publish(p, state)
+            self.events({"event": "join", "fragment": p, "version": state.version, "hash": state.hash})
+        return True

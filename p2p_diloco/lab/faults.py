@@ -1,0 +1,191 @@
+"""Faults injected into an island by the lab, never reachable from the product's ``p2p-diloco peer``:
+a slower (or jittering) device, a faulty island that sends NaN, Inf or 1e30 pseudo-gradients
+(for good, or toggled by SIGUSR2), and a slow donor (so chaos runs can kill it mid-download).
+
+``python -m p2p_diloco.lab.faults peer ...`` is ``p2p-diloco peer ...`` with the ``[debug]`` flags of
+:class:`LabPeerConfig`; it runs the product's island, assembled by :class:`FaultyIslandBuilder`, which
+swaps in subclasses of the parts the product designed for it (the learner's ``pace``, the round
+format's ``encode``, the state transfer's ``before_serving``). Local swarms start islands this way
+only when a fault is asked for (:class:`p2p_diloco.lab.localswarm.LocalSwarm`).
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import random
+import signal
+import sys
+import threading
+import time
+from typing import Literal, Sequence
+
+import torch
+from pydantic import Field, model_validator
+
+from p2p_diloco.config import PeerConfig, _Section
+from p2p_diloco.island.contribution import RoundFormat
+from p2p_diloco.island.learner import Learner
+from p2p_diloco.island.builder import IslandBuilder
+from p2p_diloco.island.transfer import StateTransfer
+
+logger = logging.getLogger(__name__)
+
+GARBAGE = {"nan": float("nan"), "inf": float("inf"), "huge": 1e30}
+
+
+class DebugConfig(_Section):
+    """Testing only: faults the lab injects into this island."""
+
+    corrupt_outer: Literal["", "nan", "inf", "huge"] = Field(
+        "", description="send NaN, Inf or 1e30 pseudo-gradients, as a faulty island would"
+    )
+    corrupt_on_signal: bool = Field(
+        False, description="with --debug-corrupt-outer, send garbage only between SIGUSR2s (the first turns the "
+        "island faulty, the next one heals it, and so on)",
+    )
+    donate_delay: float = Field(
+        0.0, ge=0.0, le=10.0, description="seconds a donor waits before serving a state download (a slow donor; "
+        "chaos runs kill it meanwhile)",
+    )
+    slowdown: float = Field(1.0, ge=1.0, description="simulate a slower device: each inner step takes this many "
+                            "times longer", json_schema_extra={"flags": ["--slowdown"]})
+    slowdown_jitter: float = Field(
+        0.0, ge=0.0, lt=1.0, description="vary each step's slowdown uniformly by this fraction (a device whose "
+        "speed jitters; steps never get faster than the device)", json_schema_extra={"flags": ["--slowdown-jitter"]},
+    )
+
+    @model_validator(mode="after")
+    def _check_signal(self) -> "DebugConfig":
+        if self.corrupt_on_signal and not self.corrupt_outer:
+            raise ValueError("debug.corrupt_on_signal needs debug.corrupt_outer (what to send once faulty)")
+        return self
+
+    @property
+    def any(self) -> bool:
+        """Whether any fault is asked for."""
+        return self != DebugConfig()
+
+
+class LabPeerConfig(PeerConfig):
+    """An island's configuration with the lab's faults (``[debug]``)."""
+
+    debug: DebugConfig = Field(default_factory=DebugConfig)
+
+
+class SlowLearner(Learner):
+    """A learner on a slower device: each inner step is stretched to ``slowdown`` (drawn from
+    slowdown x (1 +- jitter) per step, never below 1) times its compute time."""
+
+    def __init__(self, *, slowdown: float, jitter: float, **kwargs):
+        super().__init__(**kwargs)
+        self.slowdown, self.jitter, self._rng = slowdown, jitter, random.Random()
+
+    def pace(self, compute_seconds: float) -> None:
+        stretch = self.slowdown
+        if self.jitter > 0:
+            stretch *= 1.0 + self._rng.uniform(-self.jitter, self.jitter)
+        if stretch > 1.0:
+            time.sleep((stretch - 1.0) * compute_seconds)
+
+
+class Garbage:
+    """What a faulty island sends, shared by its fragments' formats; SIGUSR2 may toggle it."""
+
+    def __init__(self, value: str, faulty: bool):
+        self.value, self.faulty = value, faulty
+
+
+class CorruptingFormat(RoundFormat):
+    """A round format that, while ``garbage.faulty``, overwrites what goes on the wire with NaN, Inf
+    or 1e30 (its metadata then honestly reports it, as a buggy island's would)."""
+
+    def __init__(self, *args, garbage: Garbage, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.garbage = garbage
+
+    def encode(self, values: Sequence[torch.Tensor], buffers: Sequence[torch.Tensor]) -> None:
+        super().encode(values, buffers)
+        if self.garbage.faulty:  # read once per round: SIGUSR2 may toggle it meanwhile
+            for buffer in buffers:
+                buffer.fill_(GARBAGE[self.garbage.value])
+
+
+class SlowDonorTransfer(StateTransfer):
+    """A donor that waits ``delay`` seconds (within the downloader's patience) before serving."""
+
+    def __init__(self, *args, delay: float, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.delay = delay
+
+    def before_serving(self, p: int, budget: float) -> None:
+        delay = min(self.delay, budget)
+        time.sleep(delay)
+        super().before_serving(p, budget - delay)
+
+
+class FaultyIslandBuilder(IslandBuilder):
+    """Assembles the product's island with the faults of ``config.debug`` (a :class:`LabPeerConfig`)."""
+
+    def __init__(self, config: LabPeerConfig, stop):
+        super().__init__(config, stop)
+        self._events = None  # the island's event log, once built
+        debug = config.debug
+        self.garbage = Garbage(debug.corrupt_outer, bool(debug.corrupt_outer) and not debug.corrupt_on_signal)
+        if debug.corrupt_outer and debug.corrupt_on_signal:
+            self._toggle_on_signal()
+        elif debug.corrupt_outer:
+            logger.warning("testing mode: this island sends %s pseudo-gradients", debug.corrupt_outer)
+
+    def learner(self, **kwargs) -> Learner:
+        debug = self.config.debug
+        if debug.slowdown > 1.0 or debug.slowdown_jitter > 0:
+            return SlowLearner(slowdown=debug.slowdown, jitter=debug.slowdown_jitter, **kwargs)
+        return super().learner(**kwargs)
+
+    def round_format(self, config, names, shapes) -> RoundFormat:
+        if self.config.debug.corrupt_outer:
+            return CorruptingFormat(config, names, shapes, garbage=self.garbage)
+        return super().round_format(config, names, shapes)
+
+    def state_transfer(self, store, stats, **kwargs) -> StateTransfer:
+        if self.config.debug.donate_delay > 0:
+            return SlowDonorTransfer(store, stats, delay=self.config.debug.donate_delay, **kwargs)
+        return super().state_transfer(store, stats, **kwargs)
+
+    def build(self):
+        island = super().build()
+        self._events = island.events
+        return island
+
+    def _toggle_on_signal(self) -> None:
+        """SIGUSR2 turns the island faulty, or healthy again (installed before the island starts, so
+        before its ``start`` event, which chaos runs wait for). The note is logged by a thread of its
+        own: in the handler, the main thread may hold the event log's or the logging module's lock."""
+        notes: queue.SimpleQueue = queue.SimpleQueue()
+
+        def toggle(_signum, _frame) -> None:
+            self.garbage.faulty = not self.garbage.faulty
+            notes.put({"event": "corrupt", "value": self.garbage.value if self.garbage.faulty else ""})
+
+        def log() -> None:
+            while True:
+                note = notes.get()
+                if self._events is not None:
+                    self._events(note)
+                logger.warning("testing mode: this island now sends %s pseudo-gradients", note["value"] or "honest")
+
+        threading.Thread(target=log, name="corrupt-notes", daemon=True).start()
+        signal.signal(signal.SIGUSR2, toggle)
+        logger.warning("testing mode: SIGUSR2 makes this island send %s pseudo-gradients", self.config.debug.corrupt_outer)
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    """``python -m p2p_diloco.lab.faults peer ...``: an island with the lab's faults."""
+    from p2p_diloco.cli import run
+
+    run(argv, peer_config=LabPeerConfig, builder=FaultyIslandBuilder)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])

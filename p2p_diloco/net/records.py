@@ -1,0 +1,156 @@
+"""Signed, schema-validated, expiring progress records, one per island.
+
+Like hivemind's ProgressTracker, every island stores its record under ``{run_id}_progress`` with the
+island's public key as subkey: ``RSASignatureValidator`` signs it (nobody else can overwrite it),
+``SchemaValidator`` rejects malformed values on every peer, and the record expires unless refreshed.
+Observers (``p2p-diloco status``, the demo) show only what is in these records.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import threading
+from typing import Dict, List, Mapping, Optional
+
+from hivemind.dht.schema import BytesWithPublicKey, RSASignatureValidator, SchemaValidator
+from hivemind.utils import ValueWithExpiration, get_dht_time
+from pydantic.v1 import BaseModel, StrictFloat, StrictStr, confloat, conint
+
+logger = logging.getLogger(__name__)
+
+Count = conint(ge=0, strict=True)
+
+
+class IslandProgress(BaseModel):
+    """What one island publishes every ``progress_period`` seconds (docs/DESIGN.md, "DHT records")."""
+
+    island: StrictStr
+    peer_id: StrictStr
+    fingerprint: StrictStr
+    device: StrictStr
+    state: StrictStr  # loading | training | stopping
+    maddrs: List[StrictStr]
+    inner_step: Count
+    tokens: Count
+    tokens_per_second: confloat(ge=0.0, strict=True)
+    loss: Optional[StrictFloat]  # EMA of the training loss
+    eval_loss: Optional[StrictFloat]
+    fragment_versions: List[Count]
+    fragment_hashes: List[StrictStr]
+    rounds_ok: Count
+    rounds_failed: Count
+    rounds_rejected: Count  # results refused because a member sent garbage
+    flagged: List[StrictStr]  # islands this one caught sending garbage
+    bytes_sent: Count
+    bytes_received: Count
+    peak_bytes_per_step: Count = 0  # largest round's bytes (sent + received) per inner step it lasted
+    utilization: confloat(ge=0.0, le=1.0, strict=True)  # time in inner steps / wall time since first step
+    goodput: confloat(ge=0.0, le=1.0, strict=True)  # time in inner steps / wall time since the island started
+    started: StrictFloat  # wall-clock time of the first inner step (0 before it)
+    time: StrictFloat  # wall-clock time of this record
+
+
+class ProgressSchema(BaseModel):
+    """The DHT value under ``{run_id}_progress``: one signed record per island public key."""
+
+    progress: Dict[BytesWithPublicKey, Optional[IslandProgress]]
+
+
+def progress_key(run_id: str) -> str:
+    """The DHT key holding a run's progress records."""
+    return f"{run_id}_progress"
+
+
+def make_validators(run_id: str) -> tuple[list, bytes]:
+    """Validators to pass to ``hivemind.DHT(record_validators=...)`` and this process's public key."""
+    signature = RSASignatureValidator()
+    return [SchemaValidator(ProgressSchema, prefix=run_id), signature], signature.local_public_key
+
+
+class ProgressBoard:
+    """Reads (and, for islands, writes) a run's progress records.
+
+    :param dht: a running ``hivemind.DHT`` created with :func:`make_validators`'s validators
+    :param public_key: this process's public key (the subkey of its own record)
+    """
+
+    def __init__(self, dht, run_id: str, public_key: bytes, *, timeout: float = 10.0):
+        self.dht, self.key, self.public_key, self.timeout = dht, progress_key(run_id), public_key, timeout
+        self._lock = threading.Lock()
+        self._withdrawn = False
+        self._last_expiration = 0.0
+
+    def publish(self, record: IslandProgress, ttl: float) -> bool:
+        """Store this island's record for ``ttl`` seconds; False if the DHT did not accept it in time
+        or the record was withdrawn."""
+        return self._store(record.dict(), get_dht_time() + ttl)
+
+    def withdraw(self) -> bool:
+        """Replace this island's record by an empty one so observers drop it at once; later
+        :meth:`publish` calls do nothing."""
+        # the DHT keeps the value with the latest expiration: outlast the last record we published
+        return self._store(None, max(get_dht_time() + self.timeout, self._last_expiration + 1.0), final=True)
+
+    def _store(self, value, expiration_time: float, final: bool = False) -> bool:
+        try:
+            with self._lock:
+                if self._withdrawn:
+                    return False
+                self._withdrawn = final
+                self._last_expiration = max(self._last_expiration, expiration_time)
+                future = self.dht.store(
+                    self.key, subkey=self.public_key, value=value, expiration_time=expiration_time, return_future=True
+                )
+            return bool(future.result(timeout=self.timeout))
+        except Exception as e:  # a dead daemon during shutdown, a timeout
+            logger.debug("could not store progress record: %r", e)
+            return False
+
+    def read(self) -> list[IslandProgress]:
+        """Every live, valid island record of the run (expired and withdrawn ones are left out); empty
+        when the DHT could not be asked."""
+        return self.try_read() or []
+
+    def try_read(self) -> Optional[list[IslandProgress]]:
+        """Like :meth:`read`, but None when the DHT could not be asked (an error or a timeout), so that
+        an observer can tell "no island" from "no answer"."""
+        try:
+            with self._lock:
+                future = self.dht.get(self.key, latest=True, return_future=True)
+            found = future.result(timeout=self.timeout)
+        except Exception as e:
+            logger.debug("could not read progress records: %r", e)
+            return None
+        if not isinstance(found, ValueWithExpiration) or not isinstance(found.value, dict):
+            return []
+        records = []
+        for entry in found.value.values():
+            if not isinstance(entry, ValueWithExpiration) or entry.value is None:
+                continue
+            try:
+                records.append(IslandProgress.parse_obj(entry.value))
+            except Exception:
+                logger.debug("skipping a malformed progress record")
+        return sorted(records, key=lambda r: r.island)
+
+
+def finite_or_none(value):
+    """``value``, or None for a NaN or infinite float (no eval yet, a diverged loss, a faulty peer's
+    record: JSON and the metrics get null, never NaN)."""
+    return None if isinstance(value, float) and not math.isfinite(value) else value
+
+
+METRICS = ("inner_step", "tokens", "tokens_per_second", "loss", "eval_loss", "rounds_ok", "rounds_failed",
+           "rounds_rejected", "utilization", "goodput", "bytes_sent", "bytes_received", "bytes_per_token")
+
+
+def island_metrics(record: Mapping) -> dict[str, float]:
+    """A record's numeric metrics (``record``: an :class:`IslandProgress` as a dict) under the names
+    that the dashboard (``/api/status``), ``/metrics`` (prefixed ``p2p_diloco_island_``), Weights &
+    Biases and TensorBoard all use. Units: tokens, tokens/s, nats (loss), bytes, fractions. Metrics
+    without a finite value (no eval yet; a NaN from a faulty peer) are left out."""
+    values = {name: record.get(name) for name in METRICS}
+    values["bytes_per_token"] = record["bytes_sent"] / record["tokens"] if record.get("tokens") else None
+    values = {name: finite_or_none(value) for name, value in values.items()}
+    return {name: float(value) for name, value in values.items() if value is not None}

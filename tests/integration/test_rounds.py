@@ -1,0 +1,298 @@
+"""Rounds through real hivemind averagers, in this test process (as hivemind's own averaging tests
+run): three DHTs on 127.0.0.1, one :class:`HivemindChannel` per member and test, and the product's
+syncer parts wired as an island wires them. A round takes a few seconds; these check what a group
+does: members end bit-identical (plain, low-bit and RDA rounds), a fork reloads, a member sending
+garbage or lying is rejected and flagged, a reducer that stalls leaves a part unaveraged, and a
+listener keeps its progress."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import threading
+import time
+import uuid
+
+import numpy as np
+import pytest
+import torch
+
+from p2p_diloco.algo import grid, outer
+from p2p_diloco.algo.schedule import RoundSlot
+from p2p_diloco.config import OuterConfig
+from p2p_diloco.island.contribution import WEIGHT_UNIT, RoundFormat
+from p2p_diloco.island.quarantine import Quarantine
+from p2p_diloco.island.store import FragmentStore
+from p2p_diloco.island.syncer import SyncerStats, wire_syncer
+from p2p_diloco.island.transfer import StateTransfer
+from p2p_diloco.lab.faults import CorruptingFormat, Garbage
+from p2p_diloco.net.channel import HivemindChannel
+from p2p_diloco.net.dht import start_dht, visible_maddrs
+from tests.doubles import LearnerDouble
+
+pytestmark = pytest.mark.integration
+
+# hivemind gives each member of a group whole tensors (parts) to reduce: with three near-equal tensors
+# (and a small one), every member of a group of 3 reduces one
+NAMES = ("w1", "w2", "w3", "b")
+SHAPES = [torch.Size([24, 32]), torch.Size([768]), torch.Size([32, 24]), torch.Size([64])]
+NUMEL = sum(shape.numel() for shape in SHAPES)
+CONFIG = OuterConfig(period=10.0, fragments=1, matchmaking_time=2.0, grace_window=0.5, allreduce_timeout=3.0,
+                     request_timeout=0.5)
+
+
+@pytest.fixture(scope="module")
+def dhts():
+    first = start_dht(initial_peers=[], host_maddrs=["/ip4/127.0.0.1/tcp/0"], wait_timeout=1.0)
+    others = [start_dht(initial_peers=visible_maddrs(first), host_maddrs=["/ip4/127.0.0.1/tcp/0"], wait_timeout=1.0)
+              for _ in range(2)]
+    yield [first, *others]
+    for dht in [first, *others]:
+        dht.shutdown()
+
+
+class Member:
+    """One island's syncer over a real channel (fragment 0 of a one-fragment model)."""
+
+    def __init__(self, name, dht, prefix, theta, local, config=CONFIG, wire=None, tokens=4096, steps=2):
+        self.name, self.events, self.stop = name, [], threading.Event()
+        self.learner = LearnerDouble(local, tokens, steps)
+        self.store, self.stats = FragmentStore([SHAPES]), SyncerStats()
+        self.store.initialize([theta])
+        self.quarantine = Quarantine(island=name, probation=config.flag_probation, slot_spacing=config.fragment_budget,
+                                     check_lead=config.matchmaking_time, events=self.events.append)
+        self.transfer = StateTransfer(self.store, self.stats, fingerprint="f" * 16, events=self.events.append,
+                                      allreduce_timeout=config.allreduce_timeout, stop=self.stop)
+        self.wire = wire or RoundFormat(config, NAMES, SHAPES)
+        self.channel = HivemindChannel(dht, shapes=SHAPES, codec=config.codec, ceilings=self.wire.ceilings,
+                                       state_provider=lambda: self.transfer.donate(0),
+                                       allreduce_timeout=config.allreduce_timeout, prefix=prefix, quorum=2,
+                                       matchmaking_time=config.matchmaking_time / 2,
+                                       request_timeout=config.request_timeout)
+        self.syncer = wire_syncer(island=name, config=config, store=self.store, stats=self.stats,
+                                  quarantine=self.quarantine, transfer=self.transfer, formats=[self.wire],
+                                  channels=[self.channel], learner=self.learner, swarm_bases=lambda: [],
+                                  events=self.events.append, stop=self.stop)
+        self.channel.share_state()
+
+    @property
+    def last(self) -> dict:
+        return [e for e in self.events if e["event"] == "round"][-1]
+
+    @property
+    def theta(self):
+        return self.store.states[0].theta
+
+
+@pytest.fixture
+def group(dhts):
+    """make(local params per member, theta or one theta per member, names=..., wires=..., **Member kwargs)
+    -> members on the DHTs, under a group key of their own; their channels are shut down after the
+    test (before the DHTs)."""
+    made = []
+
+    def make(locals_, theta, names="abc", wires=(), stall=(), **kwargs):
+        assert all(dht.is_alive() for dht in dhts), "a DHT process died"
+        prefix = f"t{uuid.uuid4().hex[:8]}"
+        thetas = theta if isinstance(theta[0], list) else [theta] * len(locals_)
+        wires = list(wires) + [None] * (len(locals_) - len(wires))
+        members = []
+        for name, dht, start, local, wire in zip(names, dhts, thetas, locals_, wires):
+            with stalled_reducer() if name in stall else contextlib.nullcontext():
+                members.append(Member(name, dht, prefix, start, local, wire=wire, **kwargs))
+            made.append(members[-1])
+        return members
+
+    yield make
+    for member in made:
+        member.stop.set()
+        member.channel.averager.shutdown()
+
+
+@contextlib.contextmanager
+def stalled_reducer():
+    """An averager forked meanwhile never answers the parts it is to reduce (a member that freezes
+    mid-round): the others keep their own values for its part of the fragment."""
+    from hivemind.averaging.allreduce import AllReduceRunner
+
+    async def never_answer(self, stream, context):
+        await asyncio.sleep(3600)
+        yield None
+
+    original = AllReduceRunner.rpc_aggregate_part
+    AllReduceRunner.rpc_aggregate_part = never_answer
+    try:
+        yield
+    finally:
+        AllReduceRunner.rpc_aggregate_part = original
+
+
+def run_round(*members, lead=2.5):
+    """Every member's syncer runs the same slot, in parallel, as islands do."""
+    slot = RoundSlot(time.time() + lead, 0, 7)
+    threads = [threading.Thread(target=m.syncer._run_round, args=(0, slot)) for m in members]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(30)
+    return [m.last for m in members]
+
+
+def nesterov_step(theta, merged, momentum=None):
+    expected = [t.clone() for t in theta]
+    outer.outer_step(expected, merged, momentum or [torch.zeros_like(t) for t in theta], lr=0.7, momentum=0.9,
+                     nesterov=True)
+    return expected
+
+
+def _params(seed, scale=1.0):
+    generator = torch.Generator().manual_seed(seed)
+    return [torch.randn(shape, generator=generator) * scale for shape in SHAPES]
+
+
+def _moved(theta, seed, scale):
+    return [t - scale * g for t, g in zip(theta, _params(seed))]
+
+
+def test_members_with_the_same_base_end_identical_at_the_nesterov_step_of_the_mean(group):
+    theta = _params(0)
+    a, b = group([_moved(theta, 1, 0.01), _moved(theta, 2, 0.02)], theta)
+    events = run_round(a, b)
+    assert [e["outcome"] for e in events] == ["ok", "ok"] and events[0]["members"] == ["a", "b"]
+    assert a.store.hashes == b.store.hashes and a.store.versions == b.store.versions == [1]
+    merged = outer.weighted_mean([outer.pseudo_gradient(theta, m.learner.params) for m in (a, b)], [1.0, 1.0])
+    for got, want in zip(a.theta, nesterov_step(theta, merged)):  # equal tokens and steps: equal weights
+        torch.testing.assert_close(got, want, rtol=0, atol=1e-5)
+    assert events[0]["weight"] == outer.token_weight(4096, 2) / WEIGHT_UNIT
+    assert a.stats.rounds_ok == 1 and a.stats.group_sizes == [2]
+    assert a.stats.bytes_sent == a.stats.round_bytes_sent == events[0]["bytes_sent"] > 0
+    (update,) = a.learner.updates
+    assert update.mode == "carry" and update.version == 1
+
+
+def test_token_weights_decide_the_mean(group):
+    theta = _params(0)
+    a, b = group([_moved(theta, 1, 0.01), _moved(theta, 2, 0.02)], theta)
+    b.learner.tokens, b.learner.steps = 3 * 4096, 2  # 9x a's weight (tokens^2 / steps)
+    run_round(a, b)
+    merged = outer.weighted_mean([outer.pseudo_gradient(theta, m.learner.params) for m in (a, b)], [1.0, 9.0])
+    for got, want in zip(b.theta, nesterov_step(theta, merged)):
+        torch.testing.assert_close(got, want, rtol=0, atol=1e-5)
+    assert a.store.hashes == b.store.hashes
+
+
+def test_a_listener_and_a_contributor_end_identical(group):
+    """A member with nothing to contribute weighs 1e-12: the contributor's result rounds back to
+    exactly what it sent, which must not be taken for a failed part."""
+    theta = _params(0)
+    a, b = group([_moved(theta, 1, 0.01), theta], theta)
+    b.learner.tokens = b.learner.steps = 0
+    events = run_round(a, b)
+    assert [e["outcome"] for e in events] == ["ok", "ok"] and [e["unaveraged"] for e in events] == [0.0, 0.0]
+    assert a.store.hashes == b.store.hashes
+
+
+def test_a_member_on_a_fork_reloads_the_result_instead_of_keeping_it(group):
+    theta = _params(0)
+    fork = [t + 1e-3 for t in theta]
+    a, b = group([[t - 0.01 for t in theta], [t - 0.02 for t in fork]], [theta, fork])
+    events = run_round(a, b)
+    (winner, loser) = (a, b) if events[0]["canonical"] else (b, a)
+    lost = loser.last
+    assert lost["canonical"] is False and lost["reloaded"] is True and lost["outcome"] == "ok"
+    assert loser.store.hashes == winner.store.hashes and loser.store.versions == winner.store.versions == [1]
+    assert loser.stats.reloads == 1 and any(e["event"] == "donate" for e in winner.events)
+
+
+@pytest.mark.parametrize("garbage", ["nan", "inf", "huge"])
+def test_a_member_sending_garbage_is_rejected_flagged_and_avoided(group, garbage):
+    theta = _params(0)
+    faulty = CorruptingFormat(CONFIG, NAMES, SHAPES, garbage=Garbage(garbage, True))
+    a, b, x = group([_moved(theta, i, 0.01) for i in (1, 2, 3)], theta, names="abx", wires=[None, None, faulty])
+    events = run_round(a, b, x)
+    assert [e["outcome"] for e in events] == ["rejected"] * 3
+    assert events[0]["culprits"] == events[1]["culprits"] == ["x"] and events[2]["culprits"] == []  # it blames nobody
+    for honest in (a, b):
+        assert honest.store.versions == [0] and honest.store.hashes == [outer.tensors_hash(theta)]  # nothing applied
+        assert not honest.learner.updates and "x" in honest.quarantine and honest.stats.rounds_rejected == 1
+    if garbage == "nan":  # the next round: the honest islands meet under a group key x does not use
+        events = run_round(a, b, x)
+        assert [e["outcome"] for e in events] == ["ok", "ok", "fallback"] and events[0]["members"] == ["a", "b"]
+
+
+@pytest.mark.parametrize("lie", [
+    {"delta_max": float("inf")},
+    {"norms": [1e300, 1e300]},  # no clipped pseudo-gradient is that long
+    {"exponents": np.full(grid.num_chunks(SHAPES), 30, "<i2").tobytes()},  # a grid far coarser than needed
+])
+def test_a_member_lying_in_its_metadata_gets_the_round_rejected_and_is_flagged(group, lie):
+    config = CONFIG.model_copy(update={"codec": "int4", "merge": "rda"})
+    theta = _params(0)
+    a, b = group([_moved(theta, 1, 0.01), _moved(theta, 2, 0.02)], theta, config=config)
+    honest = b.channel.all_reduce
+    b.channel.all_reduce = lambda *, gather, **kwargs: honest(gather=gather | lie, **kwargs)
+    events = run_round(a, b)
+    assert events[0]["outcome"] == "rejected" and events[0]["culprits"] == ["b"]
+    assert "b" in a.quarantine and a.store.versions == [0] and not a.learner.updates
+
+
+@pytest.mark.parametrize("codec,merge", [("int4", "mean"), ("none", "rda"), ("int4", "rda"), ("int2", "mean")])
+def test_compressed_and_rda_rounds_keep_members_identical_and_errors_local(group, codec, merge):
+    config = CONFIG.model_copy(update={"codec": codec, "merge": merge})
+    theta = _params(0)
+    a, b = group([_moved(theta, 1, 0.01), _moved(theta, 2, 0.03)], theta, config=config)
+    events = run_round(a, b)
+    assert [e["outcome"] for e in events] == ["ok", "ok"] and a.store.hashes == b.store.hashes  # bit-identical
+    deltas = [outer.pseudo_gradient(theta, m.learner.params) for m in (a, b)]
+    expected = (outer.rda_mean if merge == "rda" else outer.weighted_mean)(deltas, [1.0, 1.0])
+    merged = [(t - new) / (0.7 * 1.9) for t, new in zip(theta, a.theta)]  # the first Nesterov step: lr (1 + m)
+    levels = grid.LEVELS.get(codec, 0)
+    for j, (got, want) in enumerate(zip(merged, expected)):  # within half a grid step of the exact merge
+        largest = max(float(d[j].abs().max()) for d in deltas)
+        tolerance = 1e-5 if not levels else largest * (1.0 / levels + 0.05) * (2 if merge == "rda" else 1)
+        torch.testing.assert_close(got, want, rtol=0, atol=tolerance)
+    # what was not sent stays local: carry = Theta_new - (snapshot + residual), |residual| <= half a step
+    for member in (a, b):
+        update = member.learner.updates[-1]
+        assert update.mode == "carry"
+        residual = [new - carry - snap for new, carry, snap in zip(a.theta, update.tensors, member.learner.params)]
+        for j, r in enumerate(residual):  # the grid's step fits the larger member's values
+            largest = max(float(d[j].abs().max()) for d in deltas)
+            assert float(r.abs().max()) <= (largest / levels if levels else 1e-6) * 1.001 + 1e-6
+        if levels:
+            assert any(float(r.abs().max()) > 0 for r in residual)  # quantization error kept for next time
+    if codec == "int4":  # 4 bits out, 5-7 back: far fewer bytes than fp32's 4 bytes each way
+        assert 0 < events[0]["bytes_sent"] < NUMEL * 4 / 4
+
+
+def test_a_part_no_reducer_averaged_gets_no_outer_update_and_keeps_the_local_progress(group):
+    theta = _params(0)
+    a, b, c = group([_moved(theta, i, 0.01 * i) for i in (1, 2, 3)], theta, stall="c")
+    events = run_round(a, b, c)
+    assert [e["outcome"] for e in events[:2]] == ["ok", "ok"] and events[0]["members"] == ["a", "b", "c"]
+    share = events[0]["unaveraged"]
+    assert share in (768 / NUMEL, 832 / NUMEL) and events[1]["unaveraged"] == share  # the stalled member's part
+    assert a.store.hashes == b.store.hashes  # the same Theta on both members that saw the failure
+    mean = outer.weighted_mean([outer.pseudo_gradient(theta, m.learner.params) for m in (a, b, c)], [1.0] * 3)
+    stepped = nesterov_step(theta, mean)
+    flat = torch.cat([t.reshape(-1) for t in a.theta])
+    unmoved = flat == torch.cat([t.reshape(-1) for t in theta])  # a zero merged pseudo-gradient there
+    assert int(unmoved.sum()) == round(share * NUMEL)
+    torch.testing.assert_close(flat[~unmoved], torch.cat([t.reshape(-1) for t in stepped])[~unmoved], rtol=0, atol=1e-5)
+    # where nobody averaged, the progress is measured from the old Theta (= Theta_new there): the carry
+    # adds nothing (up to the rounding of snapshot + Delta) and the island keeps all of its local progress
+    carry = torch.cat([t.reshape(-1) for t in a.learner.updates[-1].tensors])
+    torch.testing.assert_close(carry[unmoved], torch.zeros(int(unmoved.sum())), rtol=0, atol=1e-6)
+
+
+def test_a_listener_keeps_its_whole_pseudo_gradient_for_later(group):
+    config = CONFIG.model_copy(update={"codec": "int4"})
+    theta = _params(0)
+    a, b = group([_moved(theta, 1, 0.01), _moved(theta, 2, 0.02)], theta, config=config)
+    a.learner.tokens = a.learner.steps = 0
+    events = run_round(a, b)
+    assert events[0]["outcome"] == "ok" and events[0]["weight"] == 0.0
+    update = a.learner.updates[-1]
+    base = [new - carry for new, carry in zip(a.theta, update.tensors)]
+    for got, want in zip(base, theta):  # base = snapshot + Delta = the old Theta: all local progress kept
+        torch.testing.assert_close(got, want, rtol=0, atol=1e-6)
