@@ -574,7 +574,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     print(table)
     out.mkdir(parents=True, exist_ok=True)
     files.write_text(out / "table.md", f"Command: `{command}`\n\n{table}\n\nSeconds per round: median (min) over "
-                                  f"{args.repeats} rounds; ratios of medians.\n", encoding="utf-8")
+                                  f"{args.repeats} rounds; ratios of medians.\n")
     results = {
         "command": command, "started": started.isoformat(timespec="seconds"),
         "finished": datetime.now().isoformat(timespec="seconds"),

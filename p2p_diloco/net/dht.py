@@ -199,8 +199,10 @@ def peers_by_id(maddrs: Sequence[str]) -> dict[str, list[str]]:
 
 
 def visible_maddrs(dht) -> list[str]:
-    """The multiaddrs (with /p2p/ peer id) that other peers can use to join through this one."""
-    return [str(maddr) for maddr in dht.get_visible_maddrs(latest=True)]
+    """The multiaddrs (with /p2p/ peer id) that other peers can use to join through this one: those
+    p2pd reported when the DHT started (asking it again, ``latest=True``, now and then never answers,
+    and hivemind's call has no timeout)."""
+    return [str(maddr) for maddr in dht.get_visible_maddrs(latest=False)]
 
 
 async def _count_peers(_dht, node) -> int:  # module level: run_coroutine pickles it to the DHT process

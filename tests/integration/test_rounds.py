@@ -41,16 +41,6 @@ CONFIG = OuterConfig(period=10.0, fragments=1, matchmaking_time=2.0, grace_windo
                      request_timeout=0.5)
 
 
-@pytest.fixture(scope="module")
-def dhts():
-    first = start_dht(initial_peers=[], host_maddrs=["/ip4/127.0.0.1/tcp/0"], wait_timeout=1.0)
-    others = [start_dht(initial_peers=visible_maddrs(first), host_maddrs=["/ip4/127.0.0.1/tcp/0"], wait_timeout=1.0)
-              for _ in range(2)]
-    yield [first, *others]
-    for dht in [first, *others]:
-        dht.shutdown()
-
-
 class Member:
     """One island's syncer over a real channel (fragment 0 of a one-fragment model)."""
 
@@ -85,28 +75,37 @@ class Member:
 
 
 @pytest.fixture
-def group(dhts):
-    """make(local params per member, theta or one theta per member, names=..., wires=..., **Member kwargs)
-    -> members on the DHTs, under a group key of their own; their channels are shut down after the
-    test (before the DHTs)."""
-    made = []
+def group():
+    """make(local params per member, theta or one theta per member, names=..., wires=..., stall=...,
+    **Member kwargs) -> members, each on a DHT of its own (joined to the first), under a group key of
+    their own. They end as islands end: the DHTs first, then the averagers (HivemindChannel.close)."""
+    from hivemind.utils.mpfuture import MPFuture
+
+    dhts, made = [], []
 
     def make(locals_, theta, names="abc", wires=(), stall=(), **kwargs):
-        assert all(dht.is_alive() for dht in dhts), "a DHT process died"
         prefix = f"t{uuid.uuid4().hex[:8]}"
         thetas = theta if isinstance(theta[0], list) else [theta] * len(locals_)
         wires = list(wires) + [None] * (len(locals_) - len(wires))
         members = []
-        for name, dht, start, local, wire in zip(names, dhts, thetas, locals_, wires):
+        for name, start, local, wire in zip(names, thetas, locals_, wires):
+            peers = visible_maddrs(dhts[0]) if dhts else []
+            dhts.append(start_dht(initial_peers=peers, host_maddrs=["/ip4/127.0.0.1/tcp/0"], wait_timeout=1.0))
             with stalled_reducer() if name in stall else contextlib.nullcontext():
-                members.append(Member(name, dht, prefix, start, local, wire=wire, **kwargs))
+                members.append(Member(name, dhts[-1], prefix, start, local, wire=wire, **kwargs))
             made.append(members[-1])
         return members
 
     yield make
     for member in made:
         member.stop.set()
-        member.channel.averager.shutdown()
+    for dht in dhts:
+        dht.shutdown()
+    for member in made:
+        member.channel.close()
+    # an averager ended mid-message would leave hivemind's cross-process update lock taken in every
+    # process forked later: the next test's processes get fresh locks
+    MPFuture.reset_backend()
 
 
 @contextlib.contextmanager
@@ -135,6 +134,7 @@ def run_round(*members, lead=2.5):
         thread.start()
     for thread in threads:
         thread.join(30)
+    assert not any(thread.is_alive() for thread in threads), "a round did not end within 30 s"
     return [m.last for m in members]
 
 

@@ -1,6 +1,7 @@
-"""A bootstrap node and three islands started together on 127.0.0.1, then a late joiner and a SIGKILL.
+"""A bootstrap node and three islands started together on 127.0.0.1, a late joiner and a SIGKILL.
 
-The tests run in order against one swarm (module fixture), as a user's session would.
+The tests share one swarm (module fixture) and run in any order: the three islands stay up, and the
+late joiner and the killed island are each a test's own.
 """
 
 from __future__ import annotations
@@ -23,10 +24,21 @@ ISLANDS = ["island-0", "island-1", "island-2"]
 @pytest.fixture(scope="module")
 def swarm(tmp_path_factory):
     swarm = LocalSwarm(tmp_path_factory.mktemp("swarm"), run_id="itest")
-    swarm.launched = time.time()
+    launched = time.time()
     swarm.start_bootstrap()
     for index, name in enumerate(ISLANDS):
         swarm.start_island(name, *FAST, "--data-shard-index", str(index))
+
+    def all_training():
+        snapshot = status_json(swarm.initial_peers, swarm.run_id)
+        names = {i["island"] for i in snapshot["islands"] if i["state"] == "training"}
+        return time.time() if names == set(ISLANDS) else None
+
+    swarm.visible_at = wait_for(all_training, timeout=120, message="3 training islands in `status --json`")
+    up_at = max(events_of(path, "start")[0]["t"] for path in _paths(swarm).values())
+    print(f"visible {swarm.visible_at - launched:.1f} s after launch, {swarm.visible_at - up_at:.1f} s after the "
+          "last DHT came up")
+    swarm.up_at = up_at
     yield swarm
     assert not swarm.close(), "processes had to be force-killed"
 
@@ -36,16 +48,7 @@ def _paths(swarm, names=ISLANDS):
 
 
 def test_islands_see_each_other_within_30s(swarm):
-    def all_training():
-        snapshot = status_json(swarm.initial_peers, swarm.run_id)
-        names = {i["island"] for i in snapshot["islands"] if i["state"] == "training"}
-        return time.time() if names == set(ISLANDS) else None
-
-    seen_at = wait_for(all_training, timeout=120, message="3 training islands in `status --json`")
-    up_at = max(events_of(path, "start")[0]["t"] for path in _paths(swarm).values())
-    print(f"visible {seen_at - swarm.launched:.1f} s after launch, {seen_at - up_at:.1f} s after the last DHT came up")
-    assert seen_at - up_at <= 30
-    swarm.remember_trees()
+    assert swarm.visible_at - swarm.up_at <= 30
 
 
 def test_rounds_complete_with_two_or_more_members(swarm):
@@ -96,23 +99,25 @@ def test_late_joiner_loads_state_and_first_contributes_at_the_current_version(sw
     assert "late" not in {i["island"] for i in status_json(swarm.initial_peers, swarm.run_id)["islands"]}
 
 
-def test_sigkill_of_one_island_does_not_pause_the_others(swarm):
-    victim = swarm.islands["island-2"]
+def test_sigkill_of_one_island_does_not_pause_the_others_and_status_drops_it(swarm):
+    victim = swarm.start_island("victim", *FAST, "--data-shard-index", "4")
+    path = swarm.events_path("victim")
+    wait_for(lambda: any(e["outcome"] == "ok" and e["contributed"] for e in events_of(path, "round")), timeout=120,
+             message="the victim's first contributed round")
     tree = descendants(victim.pid)
     assert tree, "the island's DHT, averagers and p2pd should be running"
     killed_at = time.time()
     victim.signal(signal.SIGKILL)
-    survivors = _paths(swarm, ["island-0", "island-1"])
 
     def rounds_without_victim():
-        after = [e for path in survivors.values() for e in events_of(path, "round")
+        after = [e for p in _paths(swarm).values() for e in events_of(p, "round")
                  if e["t_start"] > killed_at + 1 and e["outcome"] == "ok"]
-        return after if len([e for e in after if e["members"] == ["island-0", "island-1"]]) >= 4 else None
+        return after if len([e for e in after if e["members"] == ISLANDS]) >= 4 else None
 
-    after = wait_for(rounds_without_victim, timeout=60, message="rounds of the two survivors")
-    assert all("island-2" not in e["members"] for e in after)
-    for name, path in survivors.items():
-        steps = events_of(path, "step")
+    after = wait_for(rounds_without_victim, timeout=60, message="rounds of the three others")
+    assert all("victim" not in e["members"] for e in after)
+    for name, events in _paths(swarm).items():
+        steps = events_of(events, "step")
         median = statistics.median(s["dt"] for s in steps)
         gap = max_step_gap(steps, killed_at - 2, time.time())
         print(f"{name}: median step {median:.3f} s, largest gap around the kill {gap:.3f} s")
@@ -120,11 +125,8 @@ def test_sigkill_of_one_island_does_not_pause_the_others(swarm):
     # the killed island's DHT process, averagers and p2pd die with it
     wait_for(lambda: not any(pid_alive(pid) for pid in tree), timeout=15, message="the victim's children to exit")
 
-
-def test_status_drops_the_dead_island_after_expiry(swarm):
-    def dropped():
+    def dropped():  # its record expires (--progress-ttl); the others stay
         names = {i["island"] for i in status_json(swarm.initial_peers, swarm.run_id)["islands"]}
-        return names if "island-2" not in names else None
+        return names if "victim" not in names else None
 
-    names = wait_for(dropped, timeout=40, message="island-2 to expire from status")
-    assert {"island-0", "island-1"} <= names
+    assert set(ISLANDS) <= wait_for(dropped, timeout=40, message="the victim to expire from status")

@@ -155,9 +155,10 @@ class FakeBoard:
     timeout = 1.0
 
     def __init__(self):
-        self.records = None
+        self.records, self.reads = None, 0
 
     def try_read(self):
+        self.reads += 1
         return self.records
 
 
@@ -169,7 +170,10 @@ def test_dashboard_lifecycle_and_failed_reads():
     dashboard = Dashboard("run", port=0, interval=0.05).start(board)
     try:
         dashboard.history.update([record("a", 4096, time.time())])
-        time.sleep(0.5)  # ten failed reads: nobody departs on "no answer"
+        wait = time.monotonic() + 10
+        while board.reads < 10 and time.monotonic() < wait:
+            time.sleep(0.05)
+        assert board.reads >= 10  # ten failed reads: nobody departs on "no answer"
         assert not dashboard.history.snapshot()["islands"][0]["departed"]
         board.records = []  # an answer: nobody is there any more
         wait = time.monotonic() + 10
