@@ -27,6 +27,14 @@ def cli(*args: str, timeout: float = 120) -> subprocess.CompletedProcess:
                           timeout=timeout)
 
 
+def assert_clean_error(done: subprocess.CompletedProcess, code: int, needle: str) -> None:
+    """The command failed with exit ``code`` and one ``error:`` line naming ``needle``, no traceback."""
+    assert done.returncode == code, (done.returncode, done.stderr[-2000:])
+    assert "Traceback" not in done.stderr, done.stderr[-3000:]
+    errors = [line for line in done.stderr.splitlines() if line.startswith("error: ")]
+    assert len(errors) == 1 and needle in errors[0], done.stderr[-2000:]
+
+
 def status_json(initial_peers, run_id: str) -> dict:
     done = cli("status", "--initial-peers", *initial_peers, "--run-id", run_id, "--json", "--join-timeout", "15",
                timeout=60)

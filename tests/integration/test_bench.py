@@ -48,28 +48,36 @@ def _run(script: str, out, *args: str, timeout: float) -> subprocess.CompletedPr
     return result
 
 
+# every comparator and our islands, both passes; ours-sync is our islands with other flags (one
+# fragment, a quorum of all, fp32), left to the full runs (docs/BENCHMARKS.md)
+ARMS = ["ddp", "hivemind", "torchft", "ours"]
+
+
 @pytest.mark.timeout(600)
 def test_compare_writes_every_arm_with_finite_figures(tmp_path):
-    result = _run("compare.py", tmp_path, "--restart-after", "2", timeout=580)
+    result = _run("compare.py", tmp_path, "--restart-after", "2", "--arms", *ARMS, timeout=580)
     rows = json.loads((tmp_path / "results.json").read_text())["table"]
-    assert [row["arm"] for row in rows] == ["ddp", "hivemind", "torchft", "ours-sync", "ours"]
+    assert [row["arm"] for row in rows] == ARMS
     for row in rows:
         _finite(row, ["eval_loss", "eval_loss_mean_model", "wall_seconds", "tokens_per_second", "utilization",
                       "bytes_per_token", "stall_per_failure", "global_downtime_seconds_failure", "eval_loss_failure"])
         assert row["tokens"] >= 2 * 12 * 2048  # the whole budget (DDP redoes steps after a restart)
-        assert 0 < row["utilization"] <= 1.0 and row["bytes_per_token"] >= 0  # ours may finish before a round
+        assert 0 < row["utilization"] <= 1.0
+        # (ours may finish its 12 steps before its first round; its failure pass serves a state download)
+        assert row["bytes_per_token"] > 0 or row["arm"] == "ours"
         assert len(row["curve"]) >= 2
     ddp = rows[0]
     assert ddp["bytes_per_token"] > 0 and ddp["fewer_bytes_than_ddp"] == 1.0
     # DDP's learners hold the same parameters: the mean model is each of them
     assert ddp["eval_loss_mean_model"] == pytest.approx(ddp["eval_loss"], abs=2e-3)
     table = (tmp_path / "table.md").read_text()
-    assert all(f"| {arm} |" in table for arm in ["ddp", "hivemind", "torchft", "ours-sync", "ours"])
+    assert all(f"| {arm} |" in table for arm in ARMS)
     assert (tmp_path / "compare.png").stat().st_size > 10_000 and "plot:" in result.stdout
     assert not _left_running(tmp_path)  # every learner, torchrun worker, DHT and lighthouse has ended
     # the failure pass really killed a learner and (where the arm can) restarted it
     failure = {r["arm"]: r for r in json.loads((tmp_path / "results.json").read_text())["failure"]}
     for arm, row in failure.items():
+        assert row["bytes_per_token"] > 0, arm
         kinds = [f["kind"] for f in row["faults"]]
         assert kinds == (["kill"] if arm == "ddp" else ["kill", "restart"]), (arm, kinds)
 

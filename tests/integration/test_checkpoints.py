@@ -43,7 +43,8 @@ def test_a_whole_swarm_restarts_from_its_checkpoints_without_losing_a_round(tmp_
     try:
         second.start_bootstrap()
         for index, name in enumerate(names):
-            second.start_island(name, *flags(name, index), "--max-minutes", "0.3")
+            # 40 more inner steps than it saved (max-steps counts every step of the island)
+            second.start_island(name, *flags(name, index), "--max-steps", str(saved[name][1] + 40))
         assert second.wait_islands(150) == {name: 0 for name in names}
     finally:
         second.close()

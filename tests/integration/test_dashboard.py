@@ -1,9 +1,10 @@
 """The live dashboard against a real swarm on 127.0.0.1: a bootstrap node serving it
-(``--dashboard-port 0``), a standalone ``p2p-diloco dashboard``, and two islands, one of which also
-logs to W&B (offline) and TensorBoard. JSON fields, Prometheus parsing, a headless Chromium page,
-then a SIGKILLed island departing and a cleanly stopped one withdrawn.
+(``--dashboard-port 0``), a standalone ``p2p-diloco dashboard``, and two islands. JSON fields,
+Prometheus parsing, a headless Chromium page; then two islands of the departure test's own: one
+SIGKILLed (departed, then dropped) and one stopped cleanly (withdrawn) that logged to W&B (offline)
+and TensorBoard.
 
-The tests run in order against one swarm (module fixture), as a user's session would.
+The tests share one swarm (module fixture) and run in any order: its two islands stay up.
 """
 
 from __future__ import annotations
@@ -39,9 +40,8 @@ def swarm(tmp_path_factory):
     swarm = LocalSwarm(workdir, run_id="dash", env={"WANDB_DIR": str(workdir), "WANDB_SILENT": "true"})
     try:
         swarm.start_bootstrap("--dashboard-port", "0")
-        logging = ["--wandb-project", "itest", "--wandb-mode", "offline", "--tensorboard-dir", str(workdir / "tb")]
         for index, name in enumerate(ISLANDS):
-            swarm.start_island(name, *FAST, "--data-shard-index", str(index), *(logging if index == 0 else []))
+            swarm.start_island(name, *FAST, "--data-shard-index", str(index))
         swarm.standalone_url = swarm.start_dashboard("--departed-keep", "8", "--interval", "0.5")
     except BaseException:
         swarm.close()
@@ -62,10 +62,10 @@ def _metrics(url: str) -> dict:
     return {family.name: family for family in text_string_to_metric_families(text)}
 
 
-def _training(url: str) -> dict | None:
+def _training(url: str, names=ISLANDS) -> dict | None:
     status = _json(url)
     islands = {i["island"]: i for i in status["islands"] if i["state"] == "training" and i["inner_step"] > 0}
-    return status if set(islands) == set(ISLANDS) else None
+    return status if set(names) <= set(islands) else None
 
 
 def test_api_status_shows_every_live_island_with_its_fields(swarm):
@@ -77,10 +77,10 @@ def test_api_status_shows_every_live_island_with_its_fields(swarm):
             assert key in island, key
         assert island["departed"] is False and island["device"] == "cpu" and island["tokens"] > 0
     totals = status["totals"]
-    assert totals["islands_alive"] == 2 and totals["tokens_so_far"] >= sum(i["tokens"] for i in status["islands"])
+    assert totals["islands_alive"] >= 2 and totals["tokens_so_far"] >= sum(i["tokens"] for i in status["islands"])
     assert totals["tokens_per_second"] > 0 and 0 < totals["goodput"] <= 1
     history = status["history"]
-    assert set(history["islands"]) == set(ISLANDS)
+    assert set(ISLANDS) <= set(history["islands"])
     for series in history["islands"].values():
         assert len(series["tokens"]) == len(series["loss"]) == len(series["eval_loss"]) >= 1
         assert series["tokens"] == sorted(set(series["tokens"]))  # the charts' x increases
@@ -92,12 +92,12 @@ def test_api_status_shows_every_live_island_with_its_fields(swarm):
 def test_metrics_parse_with_prometheus_clients_parser(swarm):
     status = _json(swarm.dashboard_url)  # first: an eval loss, once there, stays
     families = _metrics(swarm.dashboard_url)
-    assert {s.labels["island"]: s.value for s in families["p2p_diloco_island_up"].samples} == \
-        {name: 1.0 for name in ISLANDS}
+    up = {s.labels["island"]: s.value for s in families["p2p_diloco_island_up"].samples}
+    assert all(up[name] == 1.0 for name in ISLANDS)
     for name in METRICS:
         if name != "eval_loss" or all(i["eval_loss"] is not None for i in status["islands"]):
-            assert {s.labels["island"] for s in families[f"p2p_diloco_island_{name}"].samples} == set(ISLANDS), name
-    assert families["p2p_diloco_swarm_islands_alive"].samples[0].value == 2.0
+            assert set(ISLANDS) <= {s.labels["island"] for s in families[f"p2p_diloco_island_{name}"].samples}, name
+    assert families["p2p_diloco_swarm_islands_alive"].samples[0].value == sum(up.values()) >= 2
     assert families["p2p_diloco_swarm_tokens"].samples[0].value > 0
     assert families["p2p_diloco_swarm_tokens_per_second"].samples[0].labels == {"run_id": "dash"}
 
@@ -116,13 +116,14 @@ def test_page_renders_every_island_and_both_charts_and_updates_live(swarm):
         page.on("pageerror", lambda e: errors.append(str(e)))
         page.goto(swarm.dashboard_url)
         page.wait_for_function("window.dashboard && window.dashboard.updates >= 2", timeout=30_000)
-        assert sorted(browser.rows(page)) == [[name, ""] for name in ISLANDS]
+        rows = dict(map(tuple, browser.rows(page)))
+        assert all(rows.get(name) == "" for name in ISLANDS)
         colors = [browser.island_color(page, name) for name in ISLANDS]
         assert len(set(colors)) == len(ISLANDS)
         for name, color in zip(ISLANDS, colors):  # each island's loss curve is drawn in its colour
             assert browser.color_pixels(page, "loss", color) > 50, name
         assert browser.color_pixels(page, "speed", browser.SPEED_COLOR) > 50
-        assert page.text_content("#t-islands") == "2"
+        assert int(page.text_content("#t-islands")) >= 2
         started = time.monotonic()
         browser.wait_for_new_steps(page)  # a live update: new inner steps without a reload
         seconds = time.monotonic() - started
@@ -156,29 +157,6 @@ def test_page_draws_sparse_and_faulty_records_without_errors():
         server.server_close()
 
 
-def test_killed_island_is_departed_then_dropped(swarm):
-    swarm.islands["island-1"].signal(signal.SIGKILL)
-    killed = time.monotonic()
-
-    def departed(url):
-        island = next((i for i in _json(url)["islands"] if i["island"] == "island-1"), None)
-        return island is not None and island["departed"]
-
-    wait_for(lambda: departed(swarm.dashboard_url), timeout=30, message="island-1 departed")
-    print(f"island-1 shown as departed {time.monotonic() - killed:.1f} s after SIGKILL (record TTL 6 s)")
-    up = {s.labels["island"]: s.value for s in _metrics(swarm.dashboard_url)["p2p_diloco_island_up"].samples}
-    assert up == {"island-0": 1.0, "island-1": 0.0}
-    assert _json(swarm.dashboard_url)["totals"]["islands_alive"] == 1
-    with browser.chromium() as page:
-        page.goto(swarm.dashboard_url)
-        page.wait_for_function("window.dashboard && window.dashboard.updates >= 1", timeout=30_000)
-        assert sorted(browser.rows(page)) == [["island-0", ""], ["island-1", "departed"]]
-        page.screenshot(path=str(ARTIFACTS / "dashboard_departed.png"), full_page=True)
-    # the standalone dashboard keeps departed islands 8 s, then drops them
-    wait_for(lambda: [i["island"] for i in _json(swarm.standalone_url)["islands"]] == ["island-0"], timeout=40,
-             message="island-1 dropped from the standalone dashboard")
-
-
 def _wandb_history(folder: Path) -> list[dict]:
     """The history rows of an offline W&B run file (``run-*.wandb``: LevelDB-style log records of 32 KiB
     blocks, each holding a ``wandb_internal_pb2.Record``)."""
@@ -205,25 +183,50 @@ def _wandb_history(folder: Path) -> list[dict]:
     return rows
 
 
-def test_clean_stop_withdraws_the_record_and_leaves_wandb_and_tensorboard_logs(swarm):
+def _island(url: str, name: str) -> dict | None:
+    return next((i for i in _json(url)["islands"] if i["island"] == name), None)
+
+
+def test_a_killed_island_departs_then_drops_and_a_stopped_one_withdraws_leaving_its_logs(swarm):
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-    island = swarm.islands["island-0"]
-    island.signal(signal.SIGTERM)
-    island.popen.wait(60)
-    assert island.popen.returncode == 0
+    logging = ["--wandb-project", "itest", "--wandb-mode", "offline", "--tensorboard-dir", str(swarm.workdir / "tb")]
+    swarm.start_island("victim", *FAST, "--data-shard-index", "2")
+    swarm.start_island("quitter", *FAST, "--data-shard-index", "3", *logging)
+    wait_for(lambda: _training(swarm.dashboard_url, ["victim", "quitter"]), timeout=120, message="both training")
+    swarm.islands["victim"].signal(signal.SIGKILL)
+    killed = time.monotonic()
+    quitter = swarm.islands["quitter"]
+    quitter.signal(signal.SIGTERM)
+    assert quitter.popen.wait(60) == 0
     # withdrawn at exit: the dashboard saw it go while its last record was younger than the TTL (6 s)
-    island_0 = wait_for(lambda: next((i for i in _json(swarm.dashboard_url)["islands"]
-                                      if i["island"] == "island-0" and i["departed"]), None),
-                        timeout=30, interval=0.5, message="island-0 departed")
-    assert island_0["last_seen_s"] - island_0["departed_s"] < 6, island_0
-    summary = swarm.summary("island-0")
+    gone = wait_for(lambda: (_island(swarm.dashboard_url, "quitter") or {}).get("departed") and
+                    _island(swarm.dashboard_url, "quitter"), timeout=30, interval=0.5, message="quitter departed")
+    assert gone["last_seen_s"] - gone["departed_s"] < 6, gone
+    # a killed island's record expires: greyed out as departed, then dropped
+    wait_for(lambda: (_island(swarm.dashboard_url, "victim") or {}).get("departed"), timeout=30,
+             message="victim departed")
+    print(f"victim shown as departed {time.monotonic() - killed:.1f} s after SIGKILL (record TTL 6 s)")
+    up = {s.labels["island"]: s.value for s in _metrics(swarm.dashboard_url)["p2p_diloco_island_up"].samples}
+    assert up == {"island-0": 1.0, "island-1": 1.0, "victim": 0.0, "quitter": 0.0}
+    assert _json(swarm.dashboard_url)["totals"]["islands_alive"] == 2
+    with browser.chromium() as page:
+        page.goto(swarm.dashboard_url)
+        page.wait_for_function("window.dashboard && window.dashboard.updates >= 1", timeout=30_000)
+        assert sorted(browser.rows(page)) == [["island-0", ""], ["island-1", ""], ["quitter", "departed"],
+                                              ["victim", "departed"]]
+        page.screenshot(path=str(ARTIFACTS / "dashboard_departed.png"), full_page=True)
+    # the standalone dashboard keeps departed islands 8 s, then drops them
+    wait_for(lambda: sorted(i["island"] for i in _json(swarm.standalone_url)["islands"]) == ISLANDS, timeout=40,
+             message="the departed islands dropped from the standalone dashboard")
+    # what the quitter logged: the dashboard's metric names, its last values those of its summary
+    summary = swarm.summary("quitter")
     rows = _wandb_history(swarm.workdir)
     logged = {key for row in rows for key in row if not key.startswith("_")}
     assert logged == set(METRICS)  # the dashboard's names, eval loss included
     assert rows[-1]["tokens"] == summary["tokens"] and rows[-1]["inner_step"] == summary["inner_steps"]
     assert [row["_step"] for row in rows] == sorted(row["_step"] for row in rows)
-    events = EventAccumulator(str(swarm.workdir / "tb" / "dash" / "island-0"))
+    events = EventAccumulator(str(swarm.workdir / "tb" / "dash" / "quitter"))
     events.Reload()
     assert set(events.Tags()["scalars"]) == set(METRICS)
     assert events.Scalars("tokens")[-1].value == summary["tokens"]

@@ -15,7 +15,8 @@ import pytest
 
 from p2p_diloco.lab.localswarm import LocalSwarm
 from p2p_diloco.procs import descendants, pid_alive
-from tests.integration.helpers import FAST, events_of, max_step_gap, rounds_by_slot, status_json, wait_for
+from tests.integration.helpers import (FAST, assert_clean_error, cli, events_of, max_step_gap, rounds_by_slot,
+                                       status_json, wait_for)
 
 pytestmark = pytest.mark.integration
 ISLANDS = ["island-0", "island-1", "island-2"]
@@ -74,6 +75,16 @@ def test_members_of_a_shared_round_hold_identical_theta(swarm):
     for (fragment, slot), members in shared.items():
         assert len({e["new_hash"] for e in members.values()}) == 1, (fragment, slot, members)
         assert len({e["new_version"] for e in members.values()}) == 1
+
+
+def test_an_island_of_another_fingerprint_is_refused_and_touches_nothing(swarm, tmp_path):
+    done = cli("peer", "--run-id", swarm.run_id, "--island", "other", *FAST, "--model-num-layers", "2",
+               "--host-maddrs", "/ip4/127.0.0.1/tcp/0", "--initial-peers", *swarm.initial_peers,
+               "--log-jsonl", str(tmp_path / "other.events.jsonl"))
+    assert_clean_error(done, 4, "fingerprint")
+    assert "other" not in {i["island"] for i in status_json(swarm.initial_peers, swarm.run_id)["islands"]}
+    assert all(island.alive() for name, island in swarm.islands.items() if name in ISLANDS)
+    assert all("other" not in e.get("members", []) for path in _paths(swarm).values() for e in events_of(path, "round"))
 
 
 def test_late_joiner_loads_state_and_first_contributes_at_the_current_version(swarm):
