@@ -1,9 +1,9 @@
 """p2p_diloco: peer-to-peer Decoupled DiLoCo on hivemind.
 
-Layers, each using only those below it: maths with no networking (``outer``, ``fragments``,
-``schedule``), data and model (``data``, ``model``), the hivemind boundary (``transport``,
-``records``), the island's two halves (``learner``, ``syncer``) and the roles (``island``,
-``bootstrap``, ``status``) behind one CLI (``cli``).
+Layers, each importing only those below it (docs/DESIGN.md, "Layers"; checked by import-linter):
+``errors``, ``flags``, ``config``, ``procs``, ``files``; ``algo`` (pure maths); ``net`` (the hivemind
+boundary); ``island`` (one learner unit: learner, syncer parts, checkpoints, reports); ``observe``
+(bootstrap node, status, dashboard); ``cli``; and the ``lab`` on top, imported by nothing else.
 """
 
 import os as _os

@@ -1,13 +1,22 @@
 """Test doubles of the interfaces the syncer uses (a channel with no peers, a learner that hands out
-fixed snapshots), for pure-logic tests; they implement the same methods as the real objects."""
+fixed snapshots), and one island's syncer parts wired as the product wires them, over either a
+double or a real channel."""
 
 from __future__ import annotations
 
 import contextlib
+import threading
+from typing import Callable
 
 import torch
 
 from p2p_diloco.algo.handoff import Snapshot
+from p2p_diloco.config import OuterConfig
+from p2p_diloco.island.contribution import RoundFormat
+from p2p_diloco.island.quarantine import Quarantine
+from p2p_diloco.island.store import FragmentStore
+from p2p_diloco.island.syncer import SyncerStats, wire_syncer
+from p2p_diloco.island.transfer import StateTransfer
 from p2p_diloco.net.channel import RoundReport
 
 
@@ -64,3 +73,37 @@ class LearnerDouble:
 
     def deliver(self, update):
         self.updates.append(update)
+
+
+
+class IslandParts:
+    """One island's syncer for fragment 0 of a one-fragment model, wired as the product wires it
+    (:func:`~p2p_diloco.island.syncer.wire_syncer`), over the channel ``open_channel(self)`` returns
+    (a :class:`ChannelDouble`, or a real channel that serves ``self.transfer.donate``)."""
+
+    def __init__(self, name: str, theta, local, *, shapes, names, config: OuterConfig,
+                 open_channel: Callable[["IslandParts"], object], bases=lambda: [], wire=None, tokens=4096, steps=2):
+        self.name, self.events, self.stop = name, [], threading.Event()
+        self.learner = LearnerDouble(local, tokens, steps)
+        self.store, self.stats = FragmentStore([shapes]), SyncerStats()
+        self.store.initialize([theta])
+        self.quarantine = Quarantine(island=name, probation=config.flag_probation, slot_spacing=config.fragment_budget,
+                                     check_lead=config.matchmaking_time, events=self.events.append)
+        self.transfer = StateTransfer(self.store, self.stats, fingerprint="f" * 16, events=self.events.append,
+                                      allreduce_timeout=config.allreduce_timeout, stop=self.stop)
+        self.wire = wire or RoundFormat(config, names, shapes)
+        self.channel = open_channel(self)
+        self.syncer = wire_syncer(island=name, config=config, store=self.store, stats=self.stats,
+                                  quarantine=self.quarantine, transfer=self.transfer, formats=[self.wire],
+                                  channels=[self.channel], learner=self.learner, swarm_bases=bases,
+                                  events=self.events.append, stop=self.stop)
+
+    @property
+    def last(self) -> dict:
+        """The last round event."""
+        return [e for e in self.events if e["event"] == "round"][-1]
+
+    @property
+    def theta(self) -> list[torch.Tensor]:
+        """Theta of fragment 0 as published."""
+        return self.store.states[0].theta

@@ -42,7 +42,7 @@ def swarm(tmp_path_factory):
         swarm.start_bootstrap("--dashboard-port", "0")
         for index, name in enumerate(ISLANDS):
             swarm.start_island(name, *FAST, "--data-shard-index", str(index))
-        swarm.standalone_url = swarm.start_dashboard("--departed-keep", "8", "--interval", "0.5")
+        swarm.standalone_url = swarm.start_dashboard("--departed-keep", "4", "--interval", "0.5")
     except BaseException:
         swarm.close()
         raise
@@ -183,6 +183,10 @@ def _wandb_history(folder: Path) -> list[dict]:
     return rows
 
 
+def _events(swarm, name: str) -> list[dict]:
+    return [json.loads(line) for line in swarm.events_path(name).read_text().splitlines() if line.strip()]
+
+
 def _island(url: str, name: str) -> dict | None:
     return next((i for i in _json(url)["islands"] if i["island"] == name), None)
 
@@ -197,7 +201,7 @@ def test_a_killed_island_departs_then_drops_and_a_stopped_one_withdraws_leaving_
     swarm.islands["victim"].signal(signal.SIGKILL)
     killed = time.monotonic()
     quitter = swarm.islands["quitter"]
-    quitter.signal(signal.SIGTERM)
+    os.killpg(quitter.pid, signal.SIGINT)  # what Ctrl+C in its terminal sends
     assert quitter.popen.wait(60) == 0
     # withdrawn at exit: the dashboard saw it go while its last record was younger than the TTL (6 s)
     gone = wait_for(lambda: (_island(swarm.dashboard_url, "quitter") or {}).get("departed") and
@@ -216,11 +220,15 @@ def test_a_killed_island_departs_then_drops_and_a_stopped_one_withdraws_leaving_
         assert sorted(browser.rows(page)) == [["island-0", ""], ["island-1", ""], ["quitter", "departed"],
                                               ["victim", "departed"]]
         page.screenshot(path=str(ARTIFACTS / "dashboard_departed.png"), full_page=True)
-    # the standalone dashboard keeps departed islands 8 s, then drops them
+    # the standalone dashboard keeps departed islands 4 s, then drops them
     wait_for(lambda: sorted(i["island"] for i in _json(swarm.standalone_url)["islands"]) == ISLANDS, timeout=40,
              message="the departed islands dropped from the standalone dashboard")
-    # what the quitter logged: the dashboard's metric names, its last values those of its summary
+    # it joined a training swarm: its state came from peers; a stop is no failed round
     summary = swarm.summary("quitter")
+    assert summary["stop_reason"] == "signal" and summary["state_downloads"] >= 2
+    rounds = [e for e in _events(swarm, "quitter") if e.get("event") == "round"]
+    assert summary["outer_rounds_failed"] == sum(e["outcome"] == "fallback" for e in rounds)
+    # what it logged: the dashboard's metric names, its last values those of its summary
     rows = _wandb_history(swarm.workdir)
     logged = {key for row in rows for key in row if not key.startswith("_")}
     assert logged == set(METRICS)  # the dashboard's names, eval loss included

@@ -38,7 +38,7 @@ def test_demo_short_run(tmp_path):
     stdout_path, stderr_path = tmp_path / "stdout", tmp_path / "stderr"
     with open(stdout_path, "w") as stdout, open(stderr_path, "w") as stderr:
         demo = subprocess.Popen(
-            [str(ROOT / "scripts" / "demo.sh"), "--islands", "2", "--minutes", "0.45", "--period", "8", "--out", str(out),
+            [str(ROOT / "scripts" / "demo.sh"), "--islands", "2", "--minutes", "0.3", "--period", "8", "--out", str(out),
              "--dashboard-port", "0"], stdout=stdout, stderr=stderr, text=True,
         )
     try:

@@ -1,12 +1,12 @@
-"""A bootstrap node and three islands started together on 127.0.0.1, a late joiner and a SIGKILL.
+"""A bootstrap node and three islands started together on 127.0.0.1, a late joiner that is then
+SIGKILLed, and an island of another fingerprint refused.
 
 The tests share one swarm (module fixture) and run in any order: the three islands stay up, and the
-late joiner and the killed island are each a test's own.
+late joiner is its test's own.
 """
 
 from __future__ import annotations
 
-import os
 import signal
 import statistics
 import time
@@ -82,14 +82,12 @@ def test_an_island_of_another_fingerprint_is_refused_and_touches_nothing(swarm, 
                "--host-maddrs", "/ip4/127.0.0.1/tcp/0", "--initial-peers", *swarm.initial_peers,
                "--log-jsonl", str(tmp_path / "other.events.jsonl"))
     assert_clean_error(done, 4, "fingerprint")
-    assert "other" not in {i["island"] for i in status_json(swarm.initial_peers, swarm.run_id)["islands"]}
     assert all(island.alive() for name, island in swarm.islands.items() if name in ISLANDS)
     assert all("other" not in e.get("members", []) for path in _paths(swarm).values() for e in events_of(path, "round"))
 
 
-def test_late_joiner_loads_state_and_first_contributes_at_the_current_version(swarm):
-    # a long record lifetime: the record must vanish at the clean exit, not by expiring
-    joiner = swarm.start_island("late", *FAST, "--data-shard-index", "3", "--progress-ttl", "120")
+def test_a_late_joiner_loads_the_state_contributes_then_dies_without_pausing_anyone(swarm):
+    joiner = swarm.start_island("late", *FAST, "--data-shard-index", "3")
     path = swarm.events_path("late")
 
     def first_contribution():
@@ -101,43 +99,29 @@ def test_late_joiner_loads_state_and_first_contributes_at_the_current_version(sw
     assert len(joins) == 2 and all(j["version"] > 0 for j in joins)  # state came from peers, not the seed
     assert first["base_version"] == first["group_max_version"]  # not stale
     assert first["canonical"] and first["group_size"] >= 2
-    os.killpg(joiner.pid, signal.SIGINT)  # what Ctrl+C in its terminal sends
-    assert joiner.popen.wait(60) == 0
-    summary = swarm.summary("late")
-    assert summary["state_downloads"] >= 2 and summary["outer_rounds_ok"] >= 1
-    rounds = events_of(path, "round")
-    assert summary["outer_rounds_failed"] == sum(e["outcome"] == "fallback" for e in rounds)  # a stop is no failure
-    assert "late" not in {i["island"] for i in status_json(swarm.initial_peers, swarm.run_id)["islands"]}
-
-
-def test_sigkill_of_one_island_does_not_pause_the_others_and_status_drops_it(swarm):
-    victim = swarm.start_island("victim", *FAST, "--data-shard-index", "4")
-    path = swarm.events_path("victim")
-    wait_for(lambda: any(e["outcome"] == "ok" and e["contributed"] for e in events_of(path, "round")), timeout=120,
-             message="the victim's first contributed round")
-    tree = descendants(victim.pid)
+    # SIGKILL: the others go on without it, their inner loops never pause, and its helpers die with it
+    tree = descendants(joiner.pid)
     assert tree, "the island's DHT, averagers and p2pd should be running"
     killed_at = time.time()
-    victim.signal(signal.SIGKILL)
+    joiner.signal(signal.SIGKILL)
 
-    def rounds_without_victim():
+    def rounds_without_it():
         after = [e for p in _paths(swarm).values() for e in events_of(p, "round")
                  if e["t_start"] > killed_at + 1 and e["outcome"] == "ok"]
-        return after if len([e for e in after if e["members"] == ISLANDS]) >= 4 else None
+        return after if len([e for e in after if e["members"] == ISLANDS]) >= 2 else None
 
-    after = wait_for(rounds_without_victim, timeout=60, message="rounds of the three others")
-    assert all("victim" not in e["members"] for e in after)
+    after = wait_for(rounds_without_it, timeout=60, message="rounds of the three others")
+    assert all("late" not in e["members"] for e in after)
     for name, events in _paths(swarm).items():
         steps = events_of(events, "step")
         median = statistics.median(s["dt"] for s in steps)
         gap = max_step_gap(steps, killed_at - 2, time.time())
         print(f"{name}: median step {median:.3f} s, largest gap around the kill {gap:.3f} s")
         assert gap < max(2.0, 4 * median), f"{name}'s inner loop stalled for {gap:.2f} s"
-    # the killed island's DHT process, averagers and p2pd die with it
-    wait_for(lambda: not any(pid_alive(pid) for pid in tree), timeout=15, message="the victim's children to exit")
+    wait_for(lambda: not any(pid_alive(pid) for pid in tree), timeout=15, message="the joiner's helpers to exit")
 
     def dropped():  # its record expires (--progress-ttl); the others stay
         names = {i["island"] for i in status_json(swarm.initial_peers, swarm.run_id)["islands"]}
-        return names if "victim" not in names else None
+        return names if "late" not in names else None
 
-    assert set(ISLANDS) <= wait_for(dropped, timeout=40, message="the victim to expire from status")
+    assert set(ISLANDS) <= wait_for(dropped, timeout=40, message="the joiner to expire from status")
