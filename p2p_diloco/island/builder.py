@@ -11,6 +11,7 @@ import logging
 import os
 import tempfile
 import threading
+import time
 from pathlib import Path
 from typing import Optional
 
@@ -72,7 +73,7 @@ class IslandBuilder:
 
         :raises UserError: for bad data, model, address or output settings
         """
-        config = self.config
+        config, launched = self.config, time.time()
         if config.threads:
             torch.set_num_threads(config.threads)
         device = resolve_device(config.device)
@@ -85,7 +86,8 @@ class IslandBuilder:
                            (os.path.join(config.checkpoint.dir, "x") if config.checkpoint.dir else "", "--checkpoint-dir")):
             if path:
                 _check_writable(path, flag)
-        island = Island(config=config, stop=self.stop, builder=self, device=device, peers=peers, identity=identity)
+        island = Island(config=config, stop=self.stop, builder=self, device=device, peers=peers, identity=identity,
+                        launched=launched)
         self._model_and_data(island)
         self._offline_syncer_parts(island)
         if config.checkpoint.dir:

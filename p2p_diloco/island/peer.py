@@ -55,7 +55,7 @@ class Island:
     device: torch.device
     peers: list  # --initial-peers, checked
     identity: str  # the identity key file ("" for a fresh identity)
-    launched: float = 0.0  # wall clock, for goodput
+    launched: float = 0.0  # wall clock when the island was started (goodput counts from it)
     # data, model and the inner loop
     model: torch.nn.Module = None
     parameters: int = 0
