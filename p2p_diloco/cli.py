@@ -40,6 +40,13 @@ COMMANDS = {
                   "Serve a run's live dashboard (islands, swarm totals, loss and tokens/s charts), its JSON "
                   "(/api/status) and Prometheus metrics (/metrics), from the islands' signed DHT records only. "
                   "Its first stdout line is DASHBOARD=<url>. Needs no GPU and holds no model."),
+    "identity": ("create (or show) a peer's identity key and write its public key",
+                 "Create the libp2p identity key at PATH on first use (mode 0600) and write PATH.pub, the public "
+                 "key a private run's operator certifies (`p2p-diloco authority admit PATH.pub ...`)."),
+    "authority": ("a private run's authority: init, admit, revoke",
+                  "Run a private run's authority (docs/DEPLOY.md): `init` writes the key pair, `admit` signs a "
+                  "peer's certificate, `revoke` adds certificates to the signed revocation list that the run's "
+                  "peers publish (effective within one record TTL). Keep authority.key off the swarm's machines."),
     "fetch-assets": ("download the dashboard's charting library (uPlot) once",
                      "Download the pinned uPlot release from the npm registry (or read it from --from FILE.tgz on "
                      "a machine without internet), check its SHA-512 and install its files as package data."),
@@ -61,6 +68,10 @@ def build_parser(peer_config: type = config_lib.PeerConfig) -> argparse.Argument
             sub.add_argument("--config", default="", metavar="FILE.toml", help="TOML file with config fields")
         if name in configs:
             add_config_arguments(sub, configs[name])
+        if name == "identity":
+            sub.add_argument("path", metavar="PATH", help="the identity key file (created if missing)")
+        if name == "authority":
+            _authority_arguments(sub)
         if name == "fetch-assets":
             sub.add_argument("--from", dest="source", default=None, metavar="FILE.tgz",
                              help="a local copy of the uplot tarball instead of the registry")
@@ -71,6 +82,27 @@ def build_parser(peer_config: type = config_lib.PeerConfig) -> argparse.Argument
         sub.set_defaults(lab_command=command)
         sub.add_argument("-v", "--verbose", action="store_true", help="debug logs, including hivemind's")
     return parser
+
+
+def _authority_arguments(parser: argparse.ArgumentParser) -> None:
+    actions = parser.add_subparsers(dest="action", metavar="{init,admit,revoke}", required=True)
+    init = actions.add_parser("init", help="write authority.key (mode 0600) and authority.pub")
+    init.add_argument("--dir", default=".", help="folder for the key pair (default: here)")
+    admit = actions.add_parser("admit", help="sign a certificate for a peer's public key")
+    admit.add_argument("public_key", metavar="PEER.pub", help="the peer's public key (from `p2p-diloco identity`)")
+    admit.add_argument("--island", required=True, help="the name the peer is admitted under")
+    admit.add_argument("--role", default="island", choices=["island", "observer", "bootstrap"],
+                       help="island: trains and averages; observer: reads the records; bootstrap: serves the DHT")
+    admit.add_argument("--run-id", default="*", help="the run it admits to (default *: every run of this authority)")
+    admit.add_argument("--days", type=float, default=30.0, help="validity in days (default 30)")
+    admit.add_argument("--out", required=True, metavar="FILE", help="where to write the certificate")
+    revoke = actions.add_parser("revoke", help="add certificates to the signed revocation list")
+    revoke.add_argument("certificates", nargs="+", metavar="CERT", help="certificate files or serials to revoke")
+    revoke.add_argument("--revocations", default="revocations.json", metavar="FILE",
+                        help="the revocation list to update (created if missing; default revocations.json)")
+    for sub in (admit, revoke):
+        sub.add_argument("--authority-key", default="authority.key", metavar="FILE",
+                         help="the authority's private key (default authority.key)")
 
 
 def lab_commands() -> dict:
@@ -164,6 +196,10 @@ def run_role(args: argparse.Namespace, stop) -> None:
         from p2p_diloco.observe.dashboard import run_dashboard
 
         run_dashboard(build_config(config_lib.DashboardConfig, args), stop)
+    elif args.command in ("identity", "authority"):
+        from p2p_diloco import admin
+
+        admin.run(args)
     elif args.command == "fetch-assets":
         from p2p_diloco.observe import assets
 

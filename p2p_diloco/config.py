@@ -185,6 +185,33 @@ class LoggingConfig(_Section):
                                  "(extra: tensorboard)", json_schema_extra={"flags": ["--tensorboard-dir"]})
 
 
+class AdmissionConfig(_Section):
+    """A private run's credentials (docs/DESIGN.md, "Admission"): files only, never keys on the
+    command line. Without them the run is open to anyone who knows a peer's address."""
+
+    authority_public_key: str = Field(
+        "", description="the run authority's public key file (authority.pub): admit only peers it certified",
+        json_schema_extra={"flags": ["--authority-public-key"]})
+    certificate: str = Field(
+        "", description="this peer's certificate file, from `p2p-diloco authority admit` (needs --identity-path)",
+        json_schema_extra={"flags": ["--certificate"]})
+    revocations: str = Field(
+        "", description="publish this signed revocation list (from `p2p-diloco authority revoke`) and its updates",
+        json_schema_extra={"flags": ["--revocations"]})
+
+    @model_validator(mode="after")
+    def _check_pair(self) -> "AdmissionConfig":
+        if bool(self.authority_public_key) != bool(self.certificate):
+            raise ValueError("--authority-public-key and --certificate go together: a private run needs both")
+        if self.revocations and not self.authority_public_key:
+            raise ValueError("--revocations needs --authority-public-key and --certificate")
+        return self
+
+    @property
+    def private(self) -> bool:
+        return bool(self.authority_public_key)
+
+
 class PeerConfig(_Section):
     """Everything an island peer needs."""
 
@@ -215,6 +242,7 @@ class PeerConfig(_Section):
     checkpoint: CheckpointConfig = Field(default_factory=CheckpointConfig)
     progress: ProgressConfig = Field(default_factory=ProgressConfig)
     logging: LoggingConfig = Field(default_factory=LoggingConfig)
+    admission: AdmissionConfig = Field(default_factory=AdmissionConfig)
 
     @field_validator("run_id")
     @classmethod
@@ -270,6 +298,7 @@ class BootstrapConfig(_Section):
         None, ge=0, le=65535, description="also serve the run's dashboard on this port (0: a free one; needs --run-id)"
     )
     dashboard_host: str = Field("127.0.0.1", description="address the dashboard listens on (0.0.0.0: every interface)")
+    admission: AdmissionConfig = Field(default_factory=AdmissionConfig)
 
     @model_validator(mode="after")
     def _check_dashboard(self) -> "BootstrapConfig":
@@ -289,6 +318,8 @@ class _ObserverConfig(_Section):
     initial_peers: list[str] = Field(default_factory=list, description="multiaddrs of live peers")
     run_id: str = Field("", description="the run to show")
     join_timeout: float = Field(30.0, gt=0.0, description="seconds to keep trying to reach the peers")
+    identity_path: str = Field("", description="private key file (a private run's certificate binds its key)")
+    admission: AdmissionConfig = Field(default_factory=AdmissionConfig)
 
     @field_validator("run_id")
     @classmethod

@@ -33,6 +33,7 @@ from p2p_diloco.island.store import FragmentStore
 from p2p_diloco.island.syncer import SyncerStats
 from p2p_diloco.island.transfer import StateTransfer
 from p2p_diloco.net.channel import FragmentChannel, HivemindChannel
+from p2p_diloco.net.gate import load_admission
 from p2p_diloco.net.dht import check_listen_ports, ensure_identity, parse_maddrs
 from p2p_diloco.procs import StopSignal
 
@@ -86,8 +87,10 @@ class IslandBuilder:
                            (os.path.join(config.checkpoint.dir, "x") if config.checkpoint.dir else "", "--checkpoint-dir")):
             if path:
                 _check_writable(path, flag)
+        admission = load_admission(config.admission, identity_path=identity, run_id=config.run_id, role="island",
+                                   where=f"island {config.island}")
         island = Island(config=config, stop=self.stop, builder=self, device=device, peers=peers, identity=identity,
-                        launched=launched)
+                        launched=launched, admission=admission)
         self._model_and_data(island)
         self._offline_syncer_parts(island)
         if config.checkpoint.dir:

@@ -34,6 +34,7 @@ from p2p_diloco.island.store import FragmentStore
 from p2p_diloco.island.summary import make_summary, progress_record, status_text
 from p2p_diloco.island.syncer import Syncer, SyncerStats, wire_syncer
 from p2p_diloco.island.transfer import StateTransfer
+from p2p_diloco.net.gate import Admission, dht_refusals
 from p2p_diloco.net.dht import peers_by_id, reconnect_peers, start_dht, visible_maddrs
 from p2p_diloco.net.records import IslandProgress, ProgressBoard, make_validators
 from p2p_diloco.procs import StopSignal
@@ -55,6 +56,7 @@ class Island:
     device: torch.device
     peers: list  # --initial-peers, checked
     identity: str  # the identity key file ("" for a fresh identity)
+    admission: Optional[Admission] = None  # a private run's credentials (None: an open run)
     launched: float = 0.0  # wall clock when the island was started (goodput counts from it)
     # data, model and the inner loop
     model: torch.nn.Module = None
@@ -135,9 +137,12 @@ class Island:
         self.dht = start_dht(initial_peers=self.peers, host_maddrs=config.host_maddrs,
                              announce_maddrs=config.announce_maddrs, identity_path=self.identity,
                              record_validators=validators, join_timeout=config.join_timeout,
-                             stop_event=self.stop.event, wait_timeout=config.dht_wait_timeout)
+                             stop_event=self.stop.event, wait_timeout=config.dht_wait_timeout,
+                             authorizer=self.admission.authorizer() if self.admission else None)
         teardown(lambda: self.dht.is_alive() and self.dht.shutdown(), "shutting down the DHT")
         self.peer_id, self.maddrs = str(self.dht.peer_id), visible_maddrs(self.dht)
+        if self.admission is not None:  # before any donor may look for our certificate
+            self.admission.tick(self.dht, config.progress.ttl)
         self.board = ProgressBoard(self.dht, config.run_id, public_key)
         teardown(lambda: self.dht.is_alive() and self.board.withdraw(), "withdrawing the progress record")
         others = [r for r in self.board.read() if r.island != config.island]
@@ -158,7 +163,7 @@ class Island:
                     # islands of another fingerprint never meet ours
                     prefix=f"{config.run_id}_{self.fingerprint[:12]}_f{p}of{layout.num_fragments}",
                     quorum=outer.quorum, matchmaking_time=outer.matchmaking_time / 2,
-                    request_timeout=outer.request_timeout))
+                    request_timeout=outer.request_timeout, admission=self.admission))
         finally:
             self.stop.install()  # hivemind's averager turned SIGINT off in this process
         self.syncer = wire_syncer(island=config.island, config=outer, store=self.store, stats=self.sync_stats,
@@ -176,6 +181,7 @@ class Island:
             show=lambda others, tick: self.status_line.update(status_text(self, others), tick),
             health=self._health, on_failure=self.stop.event.set,
             reconnect=lambda peers: reconnect_peers(self.dht, peers), initial=peers_by_id(self.peers),
+            chores=[lambda: self.admission.tick(self.dht, config.progress.ttl)] if self.admission else [],
             # learn which islands the swarm caught sending garbage (a restart forgets)
             on_records=lambda others: self.quarantine.adopt(
                 [(r.island, r.flagged) for r in others if r.fingerprint == self.fingerprint], time.time()))
@@ -250,6 +256,13 @@ class Island:
         record = progress_record(self, state)
         self.explog.log(record)
         return record
+
+    def refused_peers(self) -> list[str]:
+        """Peers this island refused (a private run): at its DHT and at its averagers."""
+        if self.admission is None:
+            return []
+        refused = set(dht_refusals(self.dht)) | {peer for channel in self.channels for peer in channel.refused()}
+        return sorted(refused)[:64]
 
     def _health(self) -> Optional[str]:
         """hivemind's helper processes must live as long as the island; a dead one is fatal."""

@@ -8,7 +8,7 @@ import logging
 import sys
 import threading
 import time
-from typing import Callable, Optional
+from typing import Callable, Optional, Sequence
 
 from p2p_diloco.net.records import IslandProgress, ProgressBoard
 
@@ -28,6 +28,7 @@ class Reporter:
         for the initial peers while it sees nobody (see :func:`reconnect_peers`)
     :param initial: the initial peers, {peer id: multiaddrs}
     :param on_records: takes the other islands' records after each read
+    :param chores: called after each publish (a private run's certificate and revocations)
     """
 
     def __init__(self, board: ProgressBoard, build_record: Callable[[str], IslandProgress], *, period: float,
@@ -35,13 +36,13 @@ class Reporter:
                  health: Callable[[], Optional[str]], on_failure: Callable[[], None],
                  reconnect: Optional[Callable[[dict], object]] = None, initial: Optional[dict] = None,
                  heal_every: float = 5.0, forget_after: float = 600.0,
-                 on_records: Optional[Callable[[list], None]] = None):
+                 on_records: Optional[Callable[[list], None]] = None, chores: Sequence[Callable[[], None]] = ()):
         self.board, self.build_record, self.period, self.ttl = board, build_record, period, ttl
         self.fingerprint, self.island, self.show = fingerprint, island, show
         self.health, self.on_failure = health, on_failure
         self.reconnect, self.initial = reconnect, dict(initial or {})
         self.heal_every, self.forget_after = heal_every, forget_after
-        self.on_records = on_records
+        self.on_records, self.chores = on_records, list(chores)
         self.known: dict[str, tuple[list[str], float]] = {}  # peer id -> (multiaddrs, last seen)
         self._healing = None
         self._alone = False
@@ -71,6 +72,8 @@ class Reporter:
                     self.on_failure()
                     return
                 self.board.publish(self.build_record(self.state), self.ttl)
+                for chore in self.chores:
+                    chore()
                 self.others = [r for r in self.board.read() if r.island != self.island]
                 if self.on_records is not None:
                     self.on_records(self.others)

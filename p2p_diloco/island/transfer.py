@@ -16,7 +16,8 @@ import torch
 
 from p2p_diloco.algo import outer
 from p2p_diloco.island.store import FragmentState, FragmentStore
-from p2p_diloco.net.channel import FragmentChannel, next_chunk_timeout
+from p2p_diloco.net.averager import next_chunk_timeout
+from p2p_diloco.net.channel import FragmentChannel
 
 logger = logging.getLogger(__name__)
 

@@ -2,7 +2,7 @@
 
 For every tensor size and number of peers, on 127.0.0.1 loopback, it times:
 
-- **ours**: a real averaging round of :func:`p2p_diloco.net.channel.make_fragment_averager` (the
+- **ours**: a real averaging round of :func:`p2p_diloco.net.averager.make_fragment_averager` (the
   hivemind ``DecentralizedAverager`` subclass islands use) with the ``none`` codec: each peer writes
   the exact-average fp32 encoding of :func:`p2p_diloco.algo.wire.encode_for_wire` into its buffer, as
   the syncer does. Each peer is its own process with its own hivemind DHT (127.0.0.1, port 0); the
@@ -182,7 +182,7 @@ def _ours_peer(rank: int, conn, n: int, settings: dict, initial_peers: list[str]
     """One peer of "ours": a DHT, one averager per size, timed and checked rounds."""
     from p2p_diloco.algo import wire
     from p2p_diloco.net.dht import quiet_hivemind, start_dht, visible_maddrs
-    from p2p_diloco.net import channel, codec as wire_codec
+    from p2p_diloco.net import averager as fragment_averager, codec as wire_codec
 
     quiet_hivemind(settings["verbose"])
     wait_s = _wait_timeout(settings)
@@ -194,7 +194,7 @@ def _ours_peer(rank: int, conn, n: int, settings: dict, initial_peers: list[str]
         for index, numel in enumerate(settings["sizes"]):
             codec = wire_codec.make_codec("none")
             wire_codec.install(codec)  # in the averager forked next, as the syncer does
-            averagers.append(channel.make_fragment_averager(
+            averagers.append(fragment_averager.make_fragment_averager(
                 [torch.zeros(numel)], dht, prefix=f"bench_allreduce_{n}p_s{index}", quorum=n,
                 matchmaking_time=mm, request_timeout=min(0.5, mm / 2),
                 allreduce_timeout=settings["allreduce_timeout"], state_provider=lambda: ({}, []), codec=codec))

@@ -1,8 +1,6 @@
 """One fragment's rounds and state downloads behind a small interface, :class:`FragmentChannel`
-(docs/DESIGN.md, "One round"). :class:`HivemindChannel` implements it with hivemind's
-``DecentralizedAverager`` (subclassed where hivemind is designed for it: ``get_current_state`` and
-``_aggregate_with_group``), the timeouts our rounds use, and shared memory through which the averager
-process tells the island the grid it used, which parts no reducer averaged and the bytes it moved.
+(docs/DESIGN.md, "One round"). :class:`HivemindChannel` implements it over one hivemind averager
+process (:mod:`p2p_diloco.net.averager`), reading what that process reports through shared memory.
 """
 
 from __future__ import annotations
@@ -16,216 +14,17 @@ from typing import Callable, ContextManager, Optional, Protocol, Sequence
 import torch
 
 from p2p_diloco.algo import grid
+from p2p_diloco.net.averager import make_fragment_averager
+from p2p_diloco.net.gate import CERTIFICATE_FIELD
 
 logger = logging.getLogger(__name__)
 
 
-def _fragment_averager_class():
-    from hivemind.averaging import DecentralizedAverager
-
-    class FragmentAverager(DecentralizedAverager):
-        """hivemind's DecentralizedAverager for one fragment; it serves the fragment's state
-        (Theta_p, outer momentum m_p, version) to joining or lagging islands through
-        ``get_current_state``, hivemind's documented extension point."""
-
-        def __init__(self, *args, state_provider: Callable[[], tuple[dict, list[torch.Tensor]]], levels: int = 0,
-                     shared: Optional[dict] = None, ceilings: Optional[Sequence[int]] = None, **kwargs):
-            self._state_provider = state_provider
-            self._levels, self._ceilings = levels, ceilings
-            self._shared = shared or {}
-            super().__init__(*args, **kwargs)
-
-        def get_current_state(self):
-            metadata, tensors = self._state_provider()
-            return metadata, tensors, None
-
-        async def _aggregate_with_group(self, group_info, min_vector_size: int, **kwargs):
-            """In the averager process, once the group is known and around its all-reduce (hivemind's
-            own PowerSGD averager extends this method the same way):
-
-            - with a low-bit codec, put the raw values the island wrote on the round's shared grid,
-              from the exponents every member gathered (:func:`p2p_diloco.algo.grid.put_on_grid_`), and
-              tell the island which grid was used (``shared["grid"]``);
-            - record exactly which elements kept this member's own values because their reducer
-              failed (``shared["failed_mask"]``, ``shared["failed"]``: their number, -1 if unknown).
-            """
-            if self._levels:
-                self._shared["grid"].copy_(await _put_on_shared_grid(self, group_info))
-            recorder = _FailureRecorder(self._shared.get("failed_mask"))
-            future = self._running_groups.get(group_info.group_id)
-            if future is not None:
-                future.add_done_callback(recorder.attach)  # runs before any reducer can have failed
-            gathered = await super()._aggregate_with_group(group_info, min_vector_size, **kwargs)
-            if "failed" in self._shared:
-                self._shared["failed"].fill_(recorder.count())
-            return gathered
-
-    return FragmentAverager
-
-
-async def _put_on_shared_grid(averager, group_info) -> torch.Tensor:
-    """In the averager process: the round's shared grid from the exponents every member gathered, and
-    the raw values in the averaged tensors put on it (:func:`p2p_diloco.algo.grid.put_on_grid_`, run
-    off the event loop). Returns the grid used (int16, every tensor's chunk exponents in sequence)."""
-    import asyncio
-
-    from hivemind.utils.asyncio import enter_asynchronously
-
-    reports = []
-    for raw in group_info.gathered:
-        try:
-            user = averager.serializer.loads(averager.serializer.loads(raw)[2])
-            reports.append(user.get("exponents") if isinstance(user, dict) else None)
-        except Exception:
-            reports.append(None)
-    async with enter_asynchronously(averager.get_tensors()) as tensors:
-        return await asyncio.get_event_loop().run_in_executor(
-            None, grid.put_on_grid_, tensors, reports, averager._levels, averager._ceilings)
-
-
-class _FailureRecorder:
-    """Wraps one all-reduce's ``register_failed_reducer`` (hivemind keeps the member's own values for
-    the parts of a reducer that failed) to mark those elements, in the flattened order of the
-    averaged tensors, in ``mask`` (uint8, shared with the island)."""
-
-    def __init__(self, mask: Optional[torch.Tensor]):
-        self.mask, self.container = mask, None
-        if mask is not None:
-            mask.zero_()
-
-    def attach(self, future) -> None:
-        try:
-            container = future.result().tensor_part_container
-            original = container.register_failed_reducer
-        except Exception as e:
-            logger.debug("cannot watch for failed reducers: %r", e)
-            return
-
-        def record(peer_index: int) -> None:
-            try:
-                self._mark(container, peer_index)
-            except Exception as e:  # never let bookkeeping break the all-reduce
-                logger.debug("cannot record failed reducer parts: %r", e)
-                self.container = None
-            original(peer_index)
-
-        container.register_failed_reducer = record
-        self.container = container
-
-    def _mark(self, container, peer_index: int) -> None:
-        starts, position = [], 0
-        for tensor in container.local_tensors:
-            starts.append((tensor.data_ptr(), tensor.data_ptr() + tensor.numel() * tensor.element_size(), position,
-                           tensor.element_size()))
-            position += tensor.numel()
-        first = container._outputs_registered_by_peer[peer_index]
-        for part, _info in list(container._input_parts_by_peer[peer_index])[first:]:
-            pointer = part.data_ptr()
-            begin, _end, offset, size = next(entry for entry in starts if entry[0] <= pointer < entry[1])
-            index = offset + (pointer - begin) // size
-            self.mask[index:index + part.numel()] = 1
-
-    def count(self) -> int:
-        """Elements whose reducer failed, or -1 when they could not be recorded exactly."""
-        if self.container is None or self.mask is None:
-            return -1
-        return int(self.container.failed_size)
-
-
-def next_chunk_timeout(allreduce_timeout: float) -> float:
-    """Seconds a receiver waits for the next chunk of an all-reduce or a state download (hivemind's
-    ``next_chunk_timeout``); a donor must start streaming well within it."""
-    return max(1.0, allreduce_timeout / 2)
-
-
-def sender_timeout(allreduce_timeout: float) -> float:
-    """Seconds a reducer waits for a member's data before leaving that member out of the average:
-    a third of the round's timeout, but up to 1 s (at most 0.45 of it) for short rounds on a busy
-    machine, where a healthy member's averager may start a few hundred milliseconds late."""
-    return max(allreduce_timeout / 3, min(1.0, 0.45 * allreduce_timeout))
-
-
-def reducer_timeout(allreduce_timeout: float) -> float:
-    """Seconds a member waits for the next averaged chunk from a reducer before keeping its own
-    values for that reducer's part: above :func:`sender_timeout` (hivemind requires it, and a
-    reducer first waits for late senders) and at most 0.675 of the round's timeout, so that a
-    member that stalls early in the round is dropped before the round itself times out."""
-    return max(0.6 * allreduce_timeout, 1.5 * sender_timeout(allreduce_timeout))
-
-
-def make_fragment_averager(
-    tensors: Sequence[torch.Tensor],
-    dht,
-    *,
-    prefix: str,
-    quorum: int,
-    matchmaking_time: float,
-    request_timeout: float,
-    allreduce_timeout: float,
-    state_provider: Callable[[], tuple[dict, list[torch.Tensor]]],
-    codec=None,
-    levels: int = 0,
-    shared: Optional[dict] = None,
-    ceilings: Optional[Sequence[int]] = None,
-    start_timeout: float = 60.0,
-):
-    """Start one fragment's averager process (hivemind ``DecentralizedAverager``).
-
-    Rounds send what ``codec`` encodes (a :mod:`p2p_diloco.net.codec` codec, installed with
-    :func:`p2p_diloco.net.codec.install` right before this call). With ``levels == 0`` the island writes the
-    exact-average encoding of :func:`p2p_diloco.algo.wire.encode_for_wire` (plain fp32 on the wire);
-    otherwise raw values, which the averager puts on the round's shared grid.
-
-    :param tensors: fp32 CPU buffers, one per parameter of the fragment; rounds average them in place
-    :param prefix: group-key prefix, unique per (run, fingerprint, fragment); no dots
-    :param quorum: K, hivemind's ``min_group_size`` (at least 2: a lone island falls back without
-        hivemind); a round waits for this many members until its deadline
-    :param matchmaking_time: hivemind's ``min_matchmaking_time``, seconds
-    :param request_timeout: seconds to wait for a matchmaking answer
-    :param allreduce_timeout: seconds an all-reduce may take once the group formed
-    :param state_provider: returns (metadata, tensors) served to peers that download the fragment
-    :param codec: hivemind ``CompressionBase`` for the round's messages (None: hivemind's plain fp32)
-    :param levels: L of the low-bit codec (0: none)
-    :param shared: shared-memory tensors the averager process writes for the island after each
-        all-reduce: ``grid`` (int16, the chunk exponents used, with a low-bit codec), ``failed_mask``
-        (uint8 per element: 1 where the reducer failed) and ``failed`` (int64, one element: how many
-        failed, -1 if unknown)
-    :param ceilings: per tensor, the largest grid exponent an honest member needs
-    :param start_timeout: seconds the averager process may take to be ready
-    :returns: the started averager; end it with ``terminate()`` after the DHT is shut down
-    :raises RuntimeError: if it is not ready within ``start_timeout``
-    """
-    FragmentAverager = _fragment_averager_class()
-    chunk_timeout = next_chunk_timeout(allreduce_timeout)
-    averager = FragmentAverager(
-        averaged_tensors=list(tensors),
-        dht=dht,
-        start=False,
-        prefix=prefix,
-        min_group_size=max(2, quorum),
-        min_matchmaking_time=matchmaking_time,
-        request_timeout=request_timeout,
-        allreduce_timeout=allreduce_timeout,
-        # a member that stops answering is dropped from the round well before the round's own
-        # timeout, so the others finish without it (the island zeroes its part: RoundFormat.unaveraged)
-        sender_timeout=sender_timeout(allreduce_timeout),
-        reducer_timeout=reducer_timeout(allreduce_timeout),
-        next_chunk_timeout=chunk_timeout,
-        allow_state_sharing=False,
-        declare_state_period=10.0,
-        levels=levels,
-        shared=shared,
-        ceilings=ceilings,
-        **({"compression": codec} if codec is not None else {}),
-        shutdown_timeout=3.0,
-        state_provider=state_provider,
-    )
-    try:
-        averager.run_in_background(await_ready=True, timeout=start_timeout)
-    except TimeoutError:
-        averager.terminate()
-        raise RuntimeError(f"the averager of {prefix} did not start within {start_timeout:.0f} s") from None
-    return averager
+def _without_certificate(member):
+    """A member's gathered metadata as the island reads it (the certificate was for the gate)."""
+    if isinstance(member, dict):
+        member = {k: v for k, v in member.items() if k != CERTIFICATE_FIELD}
+    return member
 
 
 @dataclass
@@ -264,6 +63,9 @@ class FragmentChannel(Protocol):
     def traffic(self) -> tuple[int, int]:
         """Bytes of round messages sent and received so far."""
 
+    def refused(self) -> list[str]:
+        """Peer ids the channel's gate refused (a private run; empty otherwise)."""
+
     def set_group_bits(self, bits: str) -> None:
         """Meet only members whose group key carries these bits ("" for the default key)."""
 
@@ -293,12 +95,14 @@ class HivemindChannel:
     :param ceilings: per tensor, the largest grid exponent an honest member needs (low-bit codecs)
     :param state_provider: returns (metadata, tensors) served to peers that download the fragment
     :param allreduce_timeout: seconds an all-reduce may take once the group formed
+    :param admission: a private run's :class:`p2p_diloco.net.gate.Admission` (None: an open run)
     :param kwargs: ``prefix``, ``quorum``, ``matchmaking_time``, ``request_timeout`` of
         :func:`make_fragment_averager`
     """
 
     def __init__(self, dht, *, shapes: Sequence[torch.Size], codec: str, ceilings: Sequence[int],
-                 state_provider: Callable[[], tuple[dict, list[torch.Tensor]]], allreduce_timeout: float, **kwargs):
+                 state_provider: Callable[[], tuple[dict, list[torch.Tensor]]], allreduce_timeout: float,
+                 admission=None, **kwargs):
         from p2p_diloco.net import codec as codecs
 
         self.allreduce_timeout = allreduce_timeout
@@ -309,12 +113,16 @@ class HivemindChannel:
         self._shared = {"grid": torch.zeros(grid.num_chunks(shapes), dtype=torch.int16).share_memory_(),
                         "failed_mask": torch.zeros(numel, dtype=torch.uint8).share_memory_(),
                         "failed": self._traffic[2:]}
+        # a private run: the certificate goes with every join request; refused peer ids come back here
+        self._certificate = {CERTIFICATE_FIELD: admission.certificate.to_bytes()} if admission is not None else {}
+        self._refused = torch.zeros(16, 64, dtype=torch.uint8).share_memory_()
+        gate = admission.averager_gate(self._refused) if admission is not None else None
         wire_codec = codecs.make_codec(codec, self._traffic[:2])
         codecs.install(wire_codec)  # in the averager forked next: decodes and encodes the round's messages
         self.averager = make_fragment_averager(
             [torch.zeros(shape) for shape in shapes], dht, codec=wire_codec, levels=self.levels,
             shared=self._shared, ceilings=ceilings, state_provider=state_provider,
-            allreduce_timeout=allreduce_timeout, **kwargs)
+            allreduce_timeout=allreduce_timeout, gate=gate, **kwargs)
 
     def tensors(self) -> ContextManager[list[torch.Tensor]]:
         return self.averager.get_tensors()
@@ -329,14 +137,15 @@ class HivemindChannel:
             return None
         control = None
         try:
-            control = self.averager.step(gather=gather, weight=weight, scheduled_time=scheduled_time,
+            control = self.averager.step(gather=gather | self._certificate, weight=weight, scheduled_time=scheduled_time,
                                          timeout=max(0.5, deadline - time.time()), allow_retries=False, wait=False)
             # hivemind bounds the all-reduce by allreduce_timeout once the group formed; on a loaded
             # machine its event loop may report late, so allow as much again before giving up
             budget = deadline - time.time() + 2.0 * self.allreduce_timeout + 1.0
             while budget > 0 and not stop.is_set():
                 try:
-                    return control.result(timeout=min(0.5, budget))
+                    gathered = control.result(timeout=min(0.5, budget))
+                    return {peer: _without_certificate(m) for peer, m in gathered.items()}
                 except FutureTimeout:
                     budget -= 0.5
             control.cancel()
@@ -360,6 +169,9 @@ class HivemindChannel:
     def traffic(self) -> tuple[int, int]:
         sent, received = self._traffic[:2].tolist()
         return int(sent), int(received)
+
+    def refused(self) -> list[str]:
+        return [bytes(row).rstrip(b"\0").decode(errors="replace") for row in self._refused.tolist() if row[0]]
 
     def set_group_bits(self, bits: str) -> None:
         try:

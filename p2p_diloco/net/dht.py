@@ -129,11 +129,13 @@ def start_dht(
     join_timeout: float = 60.0,
     stop_event: Optional[threading.Event] = None,
     wait_timeout: float = 3.0,
+    authorizer=None,
 ):
     """Start a hivemind DHT, retrying with exponential backoff while the initial peers are unreachable.
 
     :param join_timeout: seconds to keep retrying before giving up
     :param wait_timeout: seconds a DHT request waits for a reply (hivemind's default: 3)
+    :param authorizer: a private run's :class:`p2p_diloco.net.gate.RunAuthorizer` (None: open)
     :returns: a running ``hivemind.DHT``
     :raises NetworkError: with one line naming the peers, once the retries are spent or stop_event is set
     """
@@ -149,6 +151,8 @@ def start_dht(
         startup_timeout=30,
         wait_timeout=wait_timeout,
     )
+    if authorizer is not None:
+        kwargs["authorizer"] = authorizer
     if announce_maddrs:
         kwargs["announce_maddrs"] = list(announce_maddrs)
     if identity_path:
@@ -170,6 +174,8 @@ def start_dht(
                 raise NetworkError(
                     f"could not reach any initial peer ({' '.join(initial_peers)}) after {attempt} attempts "
                     f"in {join_timeout:.0f} s: check the address and that the bootstrap node is running"
+                    + ("; in a private run, also that they admit this peer's certificate (their logs say why "
+                       "they refused it)" if authorizer is not None else "")
                 ) from None
             wait = min(delay, remaining)
             logger.warning("initial peers unreachable (%s); retrying in %.0f s", reason, wait)

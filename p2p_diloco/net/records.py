@@ -42,6 +42,7 @@ class IslandProgress(BaseModel):
     rounds_failed: Count
     rounds_rejected: Count  # results refused because a member sent garbage
     flagged: List[StrictStr]  # islands this one caught sending garbage
+    refused: List[StrictStr] = []  # peer ids this island refused admission (a private run)
     bytes_sent: Count
     bytes_received: Count
     peak_bytes_per_step: Count = 0  # largest round's bytes (sent + received) per inner step it lasted

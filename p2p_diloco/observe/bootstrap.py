@@ -9,18 +9,24 @@ from __future__ import annotations
 
 import logging
 import sys
+import time
 
 from p2p_diloco.net.dht import check_listen_ports, count_connected_peers, ensure_identity, parse_maddrs, start_dht, visible_maddrs
 from p2p_diloco.config import BootstrapConfig
 from p2p_diloco.procs import StopSignal
+from p2p_diloco.net.gate import dht_refusals, load_admission
 from p2p_diloco.net.records import ProgressBoard, make_validators
 
 logger = logging.getLogger(__name__)
+ADMISSION_PERIOD = 5.0  # seconds between a private run's chores (revocation list, certificate)
 
 
-def swarm_summary(dht, board: ProgressBoard | None, run_id: str) -> str:
-    """One line: connected peers, and the run's live islands when a run id is known."""
+def swarm_summary(dht, board: ProgressBoard | None, run_id: str, private: bool = False) -> str:
+    """One line: connected peers (and refused ones, in a private run), and the run's live islands
+    when a run id is known."""
     line = f"swarm: {count_connected_peers(dht)} peers connected"
+    if private:
+        line += f", {len(dht_refusals(dht))} refused"
     if board is not None:
         records = [r for r in board.read() if r.state != "stopping"]
         tokens = sum(r.tokens for r in records)
@@ -40,6 +46,8 @@ def run_bootstrap(config: BootstrapConfig, stop: StopSignal) -> None:
     parse_maddrs(config.announce_maddrs, what="--announce-maddrs", need_peer_id=False)
     check_listen_ports(config.host_maddrs)
     identity = ensure_identity(config.identity_path)
+    admission = load_admission(config.admission, identity_path=identity, run_id=config.run_id, role="bootstrap",
+                               where="bootstrap")
     dashboard = None
     if config.dashboard_port is not None:  # its port is taken before anything starts
         from p2p_diloco.observe.dashboard import Dashboard
@@ -52,6 +60,7 @@ def run_bootstrap(config: BootstrapConfig, stop: StopSignal) -> None:
         dht = start_dht(
             initial_peers=peers, host_maddrs=config.host_maddrs, announce_maddrs=config.announce_maddrs,
             identity_path=identity, record_validators=validators, stop_event=stop.event,
+            authorizer=admission.authorizer() if admission else None,
         )
         print("INITIAL_PEERS=" + " ".join(visible_maddrs(dht)), flush=True)
         logger.info("bootstrap peer %s is up (identity %s)", dht.peer_id, identity)
@@ -60,8 +69,13 @@ def run_bootstrap(config: BootstrapConfig, stop: StopSignal) -> None:
             dashboard.start(board)
             print(f"DASHBOARD={dashboard.url}", flush=True)
             logger.info("dashboard of run %s at %s", config.run_id, dashboard.url)
-        while not stop.event.wait(config.summary_period):
-            logger.info(swarm_summary(dht, board, config.run_id))
+        last_summary = time.monotonic()
+        while not stop.event.wait(min(ADMISSION_PERIOD, config.summary_period)):
+            if admission is not None:
+                admission.tick(dht, ttl=3 * ADMISSION_PERIOD)
+            if time.monotonic() - last_summary >= config.summary_period:
+                last_summary = time.monotonic()
+                logger.info(swarm_summary(dht, board, config.run_id, private=admission is not None))
     finally:
         if dashboard is not None:
             dashboard.close()  # before the DHT: its poller reads through it

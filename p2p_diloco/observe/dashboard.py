@@ -187,6 +187,7 @@ class SwarmCollector:
             ("swarm_goodput", "goodput", "mean goodput of the live islands"),
             ("swarm_rounds_ok", "rounds_ok", "outer rounds completed (live islands)"),
             ("swarm_rounds_failed", "rounds_failed", "outer rounds failed (live islands)"),
+            ("swarm_peers_refused", "refused", "peers the live islands refused admission (a private run)"),
         ):
             if totals.get(key) is not None:
                 gauge(metric, doc, ["run_id"]).add_metric([run_id], float(totals[key]))

@@ -5,7 +5,8 @@ from __future__ import annotations
 import json
 import time
 
-from p2p_diloco.net.dht import parse_maddrs, start_dht
+from p2p_diloco.net.dht import ensure_identity, parse_maddrs, start_dht
+from p2p_diloco.net.gate import load_admission
 from p2p_diloco.config import StatusConfig
 from p2p_diloco.errors import ConfigError
 from p2p_diloco.procs import StopSignal
@@ -39,6 +40,7 @@ def swarm_snapshot(records: list[IslandProgress], run_id: str, now: float | None
         "bytes_per_token": round(sum(r.bytes_sent for r in records) / tokens, 3) if tokens else None,
         "peak_bytes_per_step": max((r.peak_bytes_per_step for r in records), default=0),
         "flagged": sorted({name for r in records for name in r.flagged}),
+        "refused": len({peer for r in records for peer in r.refused}),  # peers refused admission
     }
     return {"run_id": run_id, "time": now, "islands": islands, "totals": totals}
 
@@ -52,6 +54,7 @@ def render_table(snapshot: dict):
 
     totals = snapshot["totals"]
     flagged = f"; flagged as faulty: {', '.join(totals['flagged'])}" if totals["flagged"] else ""
+    flagged += f"; {totals['refused']} peers refused admission" if totals.get("refused") else ""
     table = Table(
         title=f"run {snapshot['run_id']}: {totals['islands']} islands, {totals['tokens'] / 1e6:.2f}M tokens, "
         f"{totals['tokens_per_second']:,.0f} tok/s, rounds {totals['rounds_ok']} ok/{totals['rounds_failed']} failed, "
@@ -87,12 +90,15 @@ def join_as_observer(config, peers: list, stop: StopSignal) -> tuple:
     returns (dht, the run's :class:`ProgressBoard`). ``config``: a Status or Dashboard config;
     ``peers``: :func:`check_initial_peers`'s.
 
-    :raises UserError: unreachable peers, an interruption while joining
+    :raises UserError: unreachable peers, an interruption while joining, a private run's bad credentials
     """
+    identity = ensure_identity(config.identity_path) if config.identity_path else ""
+    admission = load_admission(config.admission, identity_path=identity, run_id=config.run_id, role=None, where="")
     validators, public_key = make_validators(config.run_id)
     dht = start_dht(
-        initial_peers=peers, host_maddrs=["/ip4/127.0.0.1/tcp/0"], client_mode=True,
+        initial_peers=peers, host_maddrs=["/ip4/127.0.0.1/tcp/0"], client_mode=True, identity_path=identity,
         record_validators=validators, join_timeout=config.join_timeout, stop_event=stop.event,
+        authorizer=admission.authorizer() if admission else None,
     )
     return dht, ProgressBoard(dht, config.run_id, public_key)
 

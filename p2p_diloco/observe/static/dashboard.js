@@ -111,6 +111,7 @@ function render(status) {
   $("t-goodput").textContent = fmt(t.goodput);
   $("t-rounds").textContent = `${t.rounds_ok} / ${t.rounds_failed}`;
   $("t-bytes").textContent = fmt(t.bytes_per_token, 1);
+  $("t-refused").textContent = t.refused ?? "-";
   const names = Object.keys(status.history.islands).sort();
   const body = document.querySelector("#islands tbody");
   names.forEach(colorOf);
