@@ -191,7 +191,7 @@ def test_the_failure_recorder_marks_exactly_the_parts_of_a_failed_reducer():
 
     from hivemind.averaging.partition import TensorPartContainer
 
-    from p2p_diloco.net.channel import _FailureRecorder
+    from p2p_diloco.net.averager import _FailureRecorder
 
     tensors = [torch.zeros(30), torch.zeros(7, 5)]  # 65 elements, parts of 8 values
     container = TensorPartContainer(tensors, peer_fractions=(0.5, 0.3, 0.2), part_size_bytes=32)
