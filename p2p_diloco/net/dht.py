@@ -175,7 +175,8 @@ def start_dht(
                     f"could not reach any initial peer ({' '.join(initial_peers)}) after {attempt} attempts "
                     f"in {join_timeout:.0f} s: check the address and that the bootstrap node is running"
                     + ("; in a private run, also that they admit this peer's certificate (their logs say why "
-                       "they refused it)" if authorizer is not None else "")
+                       "they refused it)" if authorizer is not None else
+                       " (a private run answers only peers started with --certificate)")
                 ) from None
             wait = min(delay, remaining)
             logger.warning("initial peers unreachable (%s); retrying in %.0f s", reason, wait)

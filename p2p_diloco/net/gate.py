@@ -213,13 +213,23 @@ class AveragerGate:
     def is_admitted(self, peer_id: str) -> bool:
         return self.admitted.get(peer_id, 0.0) > time.time()
 
-    def certificate_in(self, gathered: bytes, serializer) -> Optional[Certificate]:
-        """The certificate in a member's gathered metadata (hivemind's [bandwidth, mode, user bytes])."""
+    def check_gathered(self, peer_id: str, gathered: bytes, serializer) -> Optional[str]:
+        """:meth:`check` on the certificate in a member's gathered metadata (hivemind's [bandwidth,
+        mode, user bytes]); the island name the member gives must be the certified one."""
+        cert, claimed = None, None
         try:
             user = serializer.loads(serializer.loads(gathered)[2])
-            return Certificate.from_bytes(bytes(user[CERTIFICATE_FIELD]))
+            claimed = user.get("island")
+            cert = Certificate.from_bytes(bytes(user[CERTIFICATE_FIELD]))
         except Exception:
-            return None
+            pass
+        reason = self.check(peer_id, cert)
+        if reason is None and claimed is not None and claimed != cert.island:
+            reason = f"claims to be {claimed!r} but is certified as {cert.island!r}"
+            self.admitted.pop(peer_id, None)
+            self.refusals.refuse(peer_id, reason)
+            self._record(peer_id)
+        return reason
 
     def _record(self, peer_id: str) -> None:
         if self.refused is None:
@@ -269,7 +279,7 @@ class GatedAveragerMixin:
         if self._gate is not None:
             self._refresh_gate()
             peer = context.remote_id.to_base58()
-            if self._gate.check(peer, self._gate.certificate_in(request.gather, self.serializer)) is not None:
+            if self._gate.check_gathered(peer, request.gather, self.serializer) is not None:
                 yield averaging_pb2.MessageFromLeader(code=averaging_pb2.PROTOCOL_VIOLATION)
                 return
         async for message in super().rpc_join_group(request, context):
@@ -299,7 +309,7 @@ class GatedAveragerMixin:
             for peer, gathered in zip(group_info.peer_ids, group_info.gathered):
                 if peer == self.peer_id:
                     continue
-                reason = self._gate.check(peer.to_base58(), self._gate.certificate_in(gathered, self.serializer))
+                reason = self._gate.check_gathered(peer.to_base58(), gathered, self.serializer)
                 if reason is not None:
                     from hivemind.averaging.matchmaking import MatchmakingException
 

@@ -18,7 +18,7 @@ from p2p_diloco.net.gate import dht_refusals, load_admission
 from p2p_diloco.net.records import ProgressBoard, make_validators
 
 logger = logging.getLogger(__name__)
-ADMISSION_PERIOD = 5.0  # seconds between a private run's chores (revocation list, certificate)
+ADMISSION_PERIOD = 2.0  # seconds between a private run's chores (revocation list, certificate)
 
 
 def swarm_summary(dht, board: ProgressBoard | None, run_id: str, private: bool = False) -> str:

@@ -35,9 +35,9 @@ def assert_clean_error(done: subprocess.CompletedProcess, code: int, needle: str
     assert len(errors) == 1 and needle in errors[0], done.stderr[-2000:]
 
 
-def status_json(initial_peers, run_id: str) -> dict:
+def status_json(initial_peers, run_id: str, *extra: str) -> dict:
     done = cli("status", "--initial-peers", *initial_peers, "--run-id", run_id, "--json", "--join-timeout", "15",
-               timeout=60)
+               *extra, timeout=60)
     assert done.returncode == 0, done.stderr
     return json.loads(done.stdout.strip().splitlines()[-1])
 

@@ -1,0 +1,260 @@
+"""A private run's gates on real hivemind DHTs and averagers, in this test process: peers whose
+certificate is missing, forged, expired, revoked or another peer's cannot join the DHT; an observer
+reads but cannot store; an averager refuses a rogue's join request and state download (asked
+directly, past the DHT) while admitted members average and download as usual."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import threading
+import time
+import urllib.request
+import uuid
+from dataclasses import replace
+
+import pytest
+import torch
+
+from p2p_diloco.errors import NetworkError
+from p2p_diloco.net import admission as adm
+from p2p_diloco.net.channel import HivemindChannel
+from p2p_diloco.net.dht import ensure_identity, start_dht, visible_maddrs
+from p2p_diloco.net.gate import Admission, RunAuthorizer, publish_certificate
+
+pytestmark = pytest.mark.integration
+RUN = "private"
+SHAPES = [torch.Size([64]), torch.Size([8, 8])]
+
+
+class Authority:
+    def __init__(self, folder):
+        self.folder = folder
+        private, public = adm.init_authority(str(folder))
+        self.key, self.public = adm.load_authority_private(str(private)), adm.load_public_key(str(public))
+        self.revoked: list[str] = []
+
+    def identity(self, name: str) -> str:
+        return ensure_identity(str(self.folder / f"{name}.key"))
+
+    def certificate(self, name: str, role: str = "island", holder: str = "", **kwargs) -> adm.Certificate:
+        public = adm.identity_public_key(self.identity(holder or name))
+        return adm.issue_certificate(self.key, public, island=name, role=role, run_id=RUN, **kwargs)
+
+    def verifier(self) -> adm.Verifier:
+        verifier = adm.Verifier(self.public, RUN)
+        if self.revoked:
+            verifier.apply(adm.revoke(self.key, None, self.revoked))
+        return verifier
+
+    def admission(self, name: str, cert: adm.Certificate | None = None, identity: str = "") -> Admission:
+        return Admission(self.verifier(), cert or self.certificate(name), identity or self.identity(name), RUN)
+
+
+class RogueAuthorizer(RunAuthorizer):
+    """A malicious peer's authorizer: it sends whatever certificate it has (hivemind's own check of
+    the local token would stop an honest peer with a bad one from sending anything)."""
+
+    def is_token_valid(self, access_token) -> bool:
+        if access_token.username == self.certificate.to_bytes().decode():
+            return True
+        return super().is_token_valid(access_token)
+
+
+def _dht(admission: Admission | None, peers=(), identity: str = "", rogue: bool = False, **kwargs):
+    authorizer = None
+    if admission is not None:
+        authorizer = (RogueAuthorizer(admission.certificate, admission.identity_path, admission.verifier) if rogue
+                      else admission.authorizer())
+    return start_dht(initial_peers=list(peers), host_maddrs=["/ip4/127.0.0.1/tcp/0"], wait_timeout=1.0,
+                     identity_path=identity or (admission.identity_path if admission else ""),
+                     authorizer=authorizer, **kwargs)
+
+
+def test_only_certified_peers_use_the_dht_and_observers_only_read(tmp_path):
+    authority = Authority(tmp_path)
+    revoked = authority.certificate("revoked")
+    authority.revoked.append(revoked.serial)
+    dhts = []
+    try:
+        dhts.append(_dht(authority.admission("boot", authority.certificate("boot", "bootstrap"))))
+        peers = visible_maddrs(dhts[0])
+        island = authority.admission("island")
+        dhts.append(_dht(island, peers))
+        assert dhts[1].store("private_probe", b"ok", time.time() + 30)
+        assert dhts[0].get("private_probe", latest=True).value == b"ok"
+        observer = _dht(authority.admission("watcher", authority.certificate("watcher", "observer")), peers,
+                        client_mode=True)
+        dhts.append(observer)
+        assert observer.get("private_probe", latest=True).value == b"ok"  # reads
+        observer.store("private_probe", b"overwritten", time.time() + 60)  # but may not store:
+        for dht in dhts[:2]:  # the others refuse it
+            assert dht.get("private_probe", latest=True).value == b"ok"
+
+        # each rogue signs its requests with its own key, as hivemind's protocol does
+        rogues = {
+            "no certificate": None,
+            "forged": authority.admission("forger", replace(authority.certificate("forger"), island="island")),
+            "expired": authority.admission("late", authority.certificate("late", now=time.time() - 3 * 86400, days=1)),
+            "another peer's": authority.admission("thief", authority.certificate("island"), authority.identity("thief")),
+            "revoked": authority.admission("revoked", revoked),
+        }
+        for what, rogue in rogues.items():
+            identity = authority.identity(f"rogue-{what[:4]}") if rogue is None else ""
+            with pytest.raises(NetworkError, match="could not reach any initial peer"):
+                dhts.append(_dht(rogue, peers, identity=identity, rogue=True, join_timeout=1.0))
+        time.sleep(0.5)
+        refused = dhts[0].run_coroutine(_refusals)
+        reasons = " | ".join(refused.values())
+        for needle in ("no certificate", "forged", "expired", "another peer's certificate", "revoked",
+                       "is an observer: it may read, not store"):
+            assert needle in reasons, reasons
+    finally:
+        for dht in dhts:
+            dht.shutdown()
+
+
+async def _refusals(_dht, node) -> dict:
+    return node.protocol.authorizer.refusals.peers()
+
+
+def _channel(dht, admission, prefix, fill):
+    channel = HivemindChannel(dht, shapes=SHAPES, codec="none", ceilings=[0, 0], allreduce_timeout=3.0,
+                              state_provider=lambda: ({"fill": fill}, [torch.full(s, float(fill)) for s in SHAPES]),
+                              prefix=prefix, quorum=2, matchmaking_time=1.0, request_timeout=0.5, admission=admission)
+    channel.share_state()
+    return channel
+
+
+def test_averagers_admit_members_and_refuse_a_rogue_that_calls_them_directly(tmp_path):
+    from hivemind.p2p import P2P, PeerID
+    from hivemind.proto import averaging_pb2
+    from hivemind.utils.mpfuture import MPFuture
+
+    authority = Authority(tmp_path)
+    prefix = f"t{uuid.uuid4().hex[:8]}"
+    admissions = [authority.admission(f"island-{i}") for i in range(2)]
+    dhts, channels = [], []
+    try:
+        for admission in admissions:
+            dhts.append(_dht(admission, visible_maddrs(dhts[0]) if dhts else []))
+            publish_certificate(dhts[-1], RUN, admission.certificate, ttl=60)
+        channels = [_channel(dht, admission, prefix, i + 1) for i, (dht, admission) in enumerate(zip(dhts, admissions))]
+
+        # two admitted members average and end identical
+        for i, channel in enumerate(channels):
+            with channel.tensors() as tensors:
+                for tensor in tensors:
+                    tensor.fill_(float(i))
+        slot, results = time.time() + 2.5, [None, None]
+
+        def one(i):
+            results[i] = channels[i].all_reduce(gather={"island": f"island-{i}"}, weight=1.0, scheduled_time=slot,
+                                                deadline=slot + 2, stop=threading.Event())
+
+        threads = [threading.Thread(target=one, args=(i,)) for i in range(2)]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join(30)
+        assert all(r is not None and len(r) == 2 for r in results), results
+        assert all("certificate" not in m for m in results[0].values())  # the gate's, not the island's
+        for channel in channels:
+            with channel.tensors() as tensors:
+                assert all(torch.allclose(t, torch.full_like(t, 0.5)) for t in tensors)
+        # an admitted member downloads the other's state
+        state = channels[0].load_state(timeout=10)
+        assert state is not None and state[0]["fill"] == 2
+
+        # a rogue that knows the island's address and peer id asks it directly
+        async def rogue():
+            p2p = await P2P.create(initial_peers=visible_maddrs(dhts[1]))
+            try:
+                stub = type(channels[1].averager).get_stub(p2p, PeerID.from_base58(str(dhts[1].peer_id)),
+                                                           namespace=prefix)
+                downloaded = [m async for m in await stub.rpc_download_state(averaging_pb2.DownloadRequest())]
+                join = await stub.rpc_join_group(averaging_pb2.JoinRequest(
+                    schema_hash=b"x", expiration=time.time() + 5, gather=b"", group_key="k"))
+                first = await join.__anext__()
+                return str(p2p.peer_id), downloaded, first.code
+            finally:
+                await p2p.shutdown()
+
+        rogue_id, downloaded, code = asyncio.run(rogue())
+        assert downloaded == []  # no state
+        assert code == averaging_pb2.PROTOCOL_VIOLATION  # not admitted to the group
+        assert rogue_id in channels[1].refused()
+        assert channels[0].refused() == []
+    finally:
+        for dht in dhts:
+            dht.shutdown()
+        for channel in channels:
+            channel.close()
+        MPFuture.reset_backend()
+
+
+def test_a_private_swarm_refuses_strangers_and_drops_a_revoked_island_within_a_record_ttl(tmp_path):
+    """Processes as users start them: a bootstrap node that publishes the revocation list, three
+    admitted islands, an admitted observer and a stranger without a certificate; then the operator
+    revokes island-2's certificate mid-run."""
+    from p2p_diloco.lab.localswarm import LocalSwarm
+    from tests.integration.helpers import FAST, assert_clean_error, cli, events_of, status_json, wait_for
+
+    authority = Authority(tmp_path / "keys")
+    pub = str(tmp_path / "keys" / "authority.pub")
+    revocations = tmp_path / "revoked.json"
+    revocations.write_bytes(adm.revoke(authority.key, None, []).to_bytes())
+
+    def credentials(name: str, role: str = "island") -> list[str]:
+        cert = tmp_path / f"{name}.cert"
+        cert.write_bytes(authority.certificate(name, role).to_bytes())
+        return ["--identity-path", authority.identity(name), "--authority-public-key", pub, "--certificate", str(cert)]
+
+    swarm = LocalSwarm(tmp_path / "swarm", run_id=RUN)
+    try:
+        swarm.start_bootstrap(*credentials("boot", "bootstrap"), "--revocations", str(revocations),
+                              "--dashboard-port", "0")
+        names = ["island-0", "island-1", "island-2"]
+        for name in names:
+            swarm.start_island(name, *FAST, "--max-steps", "2000", *credentials(name))
+
+        def live():  # the islands the bootstrap node's dashboard sees (it reads the DHT as an admitted peer)
+            with urllib.request.urlopen(swarm.dashboard_url + "api/status", timeout=10) as response:
+                status = json.load(response)
+            return {row["island"] for row in status["islands"] if not row.get("departed")}, status["totals"]
+
+        def three_member_round():
+            return any(e.get("outcome") == "ok" and len(e.get("members", [])) == 3
+                       for e in events_of(swarm.events_path("island-0"), "round"))
+
+        wait_for(three_member_round, 150, message="a round of all three islands")
+        assert live()[0] == set(names)
+        # a stranger cannot read the run: its status finds no peer that answers
+        done = cli("status", "--initial-peers", *swarm.initial_peers, "--run-id", RUN, "--join-timeout", "3")
+        assert_clean_error(done, 3, "could not reach any initial peer")
+
+        _admin_revoke(authority, tmp_path / "island-2.cert", revocations)
+        revoked_at = time.time()
+        wait_for(lambda: "island-2" not in live()[0], 30, interval=0.5, message="island-2 gone after its revocation")
+        gone_after = time.time() - revoked_at
+        settled = time.time() + 6  # the averagers' gates read the list every few seconds
+
+        def rounds_after(island):
+            return [e for e in events_of(swarm.events_path(island), "round") if e["t_start"] > settled]
+
+        wait_for(lambda: sum(e["outcome"] == "ok" for e in rounds_after("island-0")) >= 2, 60,
+                 message="island-0's rounds after the revocation")
+        for island in ("island-0", "island-1"):
+            assert all("island-2" not in e.get("members", []) for e in rounds_after(island))
+        refused = live()[1]["refused"]
+        assert refused >= 1  # island-2, refused by the others
+        assert {r["island"] for r in status_json(swarm.initial_peers, RUN, *credentials("watcher", "observer"))[
+            "islands"]} == {"island-0", "island-1"}  # an admitted observer
+        print(f"island-2 left the records {gone_after:.1f} s after its revocation; {refused} peer(s) refused")
+    finally:
+        swarm.close()
+
+
+def _admin_revoke(authority, cert_path, revocations):
+    current = adm.Revocations.from_bytes(revocations.read_bytes())
+    revocations.write_bytes(adm.revoke(authority.key, current, [adm.load_certificate(str(cert_path)).serial]).to_bytes())
