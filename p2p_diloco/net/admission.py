@@ -83,17 +83,25 @@ def load_authority_private(path: str) -> rsa.RSAPrivateKey:
     :raises ConfigError: unreadable, not a PEM RSA key, or readable by others than its owner
     """
     file = Path(path).expanduser()
+    if file.exists() and file.stat().st_mode & 0o077:
+        raise ConfigError(f"{file} is readable by others (mode {file.stat().st_mode & 0o777:o}): chmod 600 it")
+    return _read_private_key(file, lambda data: serialization.load_pem_private_key(data, password=None),
+                             "authority key", "a PEM private key (made by `p2p-diloco authority init`)")
+
+
+def _read_private_key(file: Path, parse, what: str, kind: str) -> rsa.RSAPrivateKey:
+    """``parse`` of the file's bytes, which must give an RSA private key.
+
+    :raises ConfigError: naming ``what`` and the file when it is unreadable or holds something else
+    """
     try:
-        data = file.read_bytes()
-        if file.stat().st_mode & 0o077:
-            raise ConfigError(f"{file} is readable by others (mode {file.stat().st_mode & 0o777:o}): chmod 600 it")
-        key = serialization.load_pem_private_key(data, password=None)
+        key = parse(file.read_bytes())
     except OSError as e:
-        raise ConfigError(f"authority key {file}: cannot read ({e.strerror or e})") from None
-    except ValueError:
-        raise ConfigError(f"authority key {file} is not a PEM private key (made by `p2p-diloco authority init`)") from None
+        raise ConfigError(f"{what} {file}: cannot read ({e.strerror or e})") from None
+    except Exception:
+        raise ConfigError(f"{what} {file} is not {kind}") from None
     if not isinstance(key, rsa.RSAPrivateKey):
-        raise ConfigError(f"authority key {file} is not an RSA key")
+        raise ConfigError(f"{what} {file} is not an RSA key")
     return key
 
 
@@ -135,17 +143,10 @@ def identity_public_key(identity_path: str) -> rsa.RSAPublicKey:
     """
     from hivemind.proto import crypto_pb2
 
-    file = Path(identity_path).expanduser()
-    try:
-        der = crypto_pb2.PrivateKey.FromString(file.read_bytes()).data
-        key = serialization.load_der_private_key(der, password=None)
-    except OSError as e:
-        raise ConfigError(f"identity {file}: cannot read ({e.strerror or e})") from None
-    except Exception:
-        raise ConfigError(f"identity {file} is not a libp2p RSA private key") from None
-    if not isinstance(key, rsa.RSAPrivateKey):
-        raise ConfigError(f"identity {file} is not an RSA key")
-    return key.public_key()
+    def parse(data: bytes):
+        return serialization.load_der_private_key(crypto_pb2.PrivateKey.FromString(data).data, password=None)
+
+    return _read_private_key(Path(identity_path).expanduser(), parse, "identity", "a libp2p RSA private key").public_key()
 
 
 def peer_id_of(public_key: rsa.RSAPublicKey) -> str:
