@@ -58,11 +58,11 @@ def run(args: argparse.Namespace) -> None:
 
 def _peer_public_key(path: str):
     """A peer's public key from its ``.pub`` file, or from its identity file itself."""
-    text = Path(path).expanduser().read_bytes() if Path(path).expanduser().exists() else None
-    if text is None:
+    file = Path(path).expanduser()
+    if not file.is_file():
         raise ConfigError(f"{path}: no such file (the peer's public key, written by `p2p-diloco identity`)")
     try:
-        return adm.parse_public_key(text.decode().strip())
+        return adm.parse_public_key(file.read_bytes().decode().strip())
     except (ValueError, UnicodeDecodeError):
         return adm.identity_public_key(path)
 

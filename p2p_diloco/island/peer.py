@@ -56,8 +56,8 @@ class Island:
     device: torch.device
     peers: list  # --initial-peers, checked
     identity: str  # the identity key file ("" for a fresh identity)
+    launched: float  # wall clock when the island was started (goodput counts from it)
     admission: Optional[Admission] = None  # a private run's credentials (None: an open run)
-    launched: float = 0.0  # wall clock when the island was started (goodput counts from it)
     # data, model and the inner loop
     model: torch.nn.Module = None
     parameters: int = 0
@@ -101,7 +101,6 @@ class Island:
         """
         if self.stop.event.is_set():
             raise Interrupted("interrupted before joining the swarm")
-        self.launched = self.launched or time.time()
         with contextlib.ExitStack() as stack:
             def teardown(action: Callable[[], object], what: str) -> None:
                 stack.callback(_quietly, action, what)

@@ -135,8 +135,8 @@ def openssh(public_key: rsa.RSAPublicKey) -> str:
     return public_key.public_bytes(serialization.Encoding.OpenSSH, serialization.PublicFormat.OpenSSH).decode()
 
 
-def identity_public_key(identity_path: str) -> rsa.RSAPublicKey:
-    """The public key of a libp2p identity file (a protobuf ``PrivateKey`` with an RSA DER key, as
+def identity_key(identity_path: str) -> rsa.RSAPrivateKey:
+    """The private key of a libp2p identity file (a protobuf ``PrivateKey`` with an RSA DER key, as
     ``hivemind.P2P.generate_identity`` writes it).
 
     :raises ConfigError: if the file is unreadable or holds no RSA key
@@ -146,7 +146,12 @@ def identity_public_key(identity_path: str) -> rsa.RSAPublicKey:
     def parse(data: bytes):
         return serialization.load_der_private_key(crypto_pb2.PrivateKey.FromString(data).data, password=None)
 
-    return _read_private_key(Path(identity_path).expanduser(), parse, "identity", "a libp2p RSA private key").public_key()
+    return _read_private_key(Path(identity_path).expanduser(), parse, "identity", "a libp2p RSA private key")
+
+
+def identity_public_key(identity_path: str) -> rsa.RSAPublicKey:
+    """The public key of a libp2p identity file (see :func:`identity_key`)."""
+    return identity_key(identity_path).public_key()
 
 
 def peer_id_of(public_key: rsa.RSAPublicKey) -> str:

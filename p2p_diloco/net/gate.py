@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import time
 from functools import partial
 from typing import AsyncIterator, Optional
@@ -27,7 +28,7 @@ from hivemind.proto.auth_pb2 import AccessToken
 from hivemind.utils.auth import TokenAuthorizerBase
 from hivemind.utils.crypto import RSAPrivateKey
 
-from p2p_diloco.net.admission import Certificate, Refusals, Revocations, Verifier
+from p2p_diloco.net.admission import Certificate, Refusals, Revocations, Verifier, identity_key
 
 logger = logging.getLogger(__name__)
 
@@ -47,13 +48,17 @@ def revocations_key(fingerprint: str) -> str:
 
 def identity_private_key(identity_path: str) -> RSAPrivateKey:
     """hivemind's ``RSAPrivateKey`` for the key of a libp2p identity file (the DHT signs its requests
-    with the key the certificate binds). Built through the class's pickling protocol."""
-    from pathlib import Path
+    with the key the certificate binds). Built through the class's pickling protocol (DER).
 
-    from hivemind.proto import crypto_pb2
+    :raises ConfigError: if the file is unreadable or holds no RSA key
+    """
+    from cryptography.hazmat.primitives import serialization
 
+    der = identity_key(identity_path).private_bytes(serialization.Encoding.DER,
+                                                    serialization.PrivateFormat.TraditionalOpenSSL,
+                                                    serialization.NoEncryption())
     key = RSAPrivateKey.__new__(RSAPrivateKey)
-    key.__setstate__({"_private_key": crypto_pb2.PrivateKey.FromString(Path(identity_path).expanduser().read_bytes()).data})
+    key.__setstate__({"_private_key": der})
     return key
 
 
@@ -78,13 +83,19 @@ class RunAuthorizer(TokenAuthorizerBase):
         return AccessToken(username=self.certificate.to_bytes().decode(), public_key=self.local_public_key.to_bytes(),
                            expiration_time=str(self.certificate.expires), signature=b"")
 
-    def _certificate_of(self, token: AccessToken) -> tuple[Optional[Certificate], Optional[str]]:
+    @staticmethod
+    def _parse(token: AccessToken) -> tuple[Optional[Certificate], Optional[str]]:
         if not token.username:
             return None, "no certificate"
         try:
-            cert = Certificate.from_bytes(token.username.encode())
+            return Certificate.from_bytes(token.username.encode()), None
         except ValueError as e:
             return None, f"malformed certificate ({e})"
+
+    def _certificate_of(self, token: AccessToken) -> tuple[Optional[Certificate], Optional[str]]:
+        cert, reason = self._parse(token)
+        if cert is None:
+            return cert, reason
         reason = self.verifier.check(cert)
         if reason is None and token.public_key.decode(errors="replace").strip() != cert.public_key.strip():
             reason = f"another peer's certificate ({cert.island}): signed with a different key"
@@ -101,7 +112,7 @@ class RunAuthorizer(TokenAuthorizerBase):
 
     async def validate_request(self, request) -> bool:
         if type(request).__name__ == "StoreRequest":
-            cert, _ = self._certificate_of(request.auth.client_access_token)
+            cert, _ = self._parse(request.auth.client_access_token)  # super() checks it
             if cert is not None and cert.role == "observer":
                 self.refusals.refuse(cert.peer_id, f"{cert.island} is an observer: it may read, not store")
                 return False
@@ -199,9 +210,12 @@ class AveragerGate:
         self.__dict__.update(state)
         self.refusals = Refusals("averager")
 
-    def check(self, peer_id: str, cert: Optional[Certificate]) -> Optional[str]:
-        """None if ``cert`` admits ``peer_id`` as an island now; else the reason (logged once, recorded)."""
+    def check(self, peer_id: str, cert: Optional[Certificate], claimed: Optional[str] = None) -> Optional[str]:
+        """None if ``cert`` admits ``peer_id`` as an island now (under the island name it ``claimed``,
+        when given); else the reason (logged once, recorded)."""
         reason = self.verifier.check(cert, peer_id=peer_id, role="island")
+        if reason is None and claimed is not None and claimed != cert.island:
+            reason = f"claims to be {claimed!r} but is certified as {cert.island!r}"
         if reason is None:
             self.admitted[peer_id] = cert.expires
         else:
@@ -223,13 +237,7 @@ class AveragerGate:
             cert = Certificate.from_bytes(bytes(user[CERTIFICATE_FIELD]))
         except Exception:
             pass
-        reason = self.check(peer_id, cert)
-        if reason is None and claimed is not None and claimed != cert.island:
-            reason = f"claims to be {claimed!r} but is certified as {cert.island!r}"
-            self.admitted.pop(peer_id, None)
-            self.refusals.refuse(peer_id, reason)
-            self._record(peer_id)
-        return reason
+        return self.check(peer_id, cert, claimed)
 
     def _record(self, peer_id: str) -> None:
         if self.refused is None:
@@ -339,18 +347,25 @@ class Admission:
         """A gate for one averager process (``refused``: its shared peer-id slots, see :class:`AveragerGate`)."""
         return AveragerGate(self.verifier, self.certificate, self.run_id, refused)
 
+    def read_revocations_file(self) -> None:
+        """Apply ``--revocations`` to the verifier when the file changed since the last read.
+
+        :raises OSError, ValueError: an unreadable file or no revocation list
+        """
+        if not self.revocations_file:
+            return
+        mtime = os.stat(self.revocations_file).st_mtime
+        if mtime != self._file_mtime:
+            with open(self.revocations_file, "rb") as f:
+                self.verifier.apply(Revocations.from_bytes(f.read()))
+            self._file_mtime = mtime
+
     def tick(self, dht, ttl: float) -> None:
         """Publish this peer's certificate (when it has a run) and the newest revocation list it knows
         (re-reading ``--revocations`` when the file changed); take newer lists from the DHT and hand
         them to the DHT process. Errors are logged, never raised."""
-        from pathlib import Path
-
         try:
-            if self.revocations_file:
-                mtime = Path(self.revocations_file).stat().st_mtime
-                if mtime != self._file_mtime:
-                    self._file_mtime = mtime
-                    self.verifier.apply(Revocations.from_bytes(Path(self.revocations_file).read_bytes()))
+            self.read_revocations_file()
             read_revocations(dht, self.verifier)
             current = self.verifier.revocations
             if current is not None:
@@ -385,13 +400,13 @@ def load_admission(config, *, identity_path: str, run_id: str, role: Optional[st
         return None
     if not identity_path:
         raise ConfigError("a private run needs --identity-path: the certificate binds that key")
-    verifier = Verifier(adm.load_public_key(config.authority_public_key), run_id)
-    certificate = adm.load_certificate(config.certificate)
-    if config.revocations:
-        try:
-            verifier.apply(Revocations.from_bytes(open(config.revocations, "rb").read()))
-        except (OSError, ValueError) as e:
-            raise ConfigError(f"--revocations {config.revocations}: {e}") from None
+    admission = Admission(Verifier(adm.load_public_key(config.authority_public_key), run_id),
+                          adm.load_certificate(config.certificate), identity_path, run_id, config.revocations)
+    try:
+        admission.read_revocations_file()
+    except (OSError, ValueError) as e:
+        raise ConfigError(f"--revocations {config.revocations}: {e}") from None
+    verifier, certificate = admission.verifier, admission.certificate
     own = adm.peer_id_of(adm.identity_public_key(identity_path))
     reason = verifier.check(certificate, peer_id=own, role=role)
     if reason is not None:
@@ -400,4 +415,4 @@ def load_admission(config, *, identity_path: str, run_id: str, role: Optional[st
     logger.info("%s: private run of authority %s; admitted as %s (%s), certificate valid until %s UTC", where,
                 verifier.fingerprint, certificate.island, certificate.role,
                 time.strftime("%Y-%m-%d %H:%M", time.gmtime(certificate.expires)))
-    return Admission(verifier, certificate, identity_path, run_id, config.revocations)
+    return admission

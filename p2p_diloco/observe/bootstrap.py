@@ -70,7 +70,8 @@ def run_bootstrap(config: BootstrapConfig, stop: StopSignal) -> None:
             print(f"DASHBOARD={dashboard.url}", flush=True)
             logger.info("dashboard of run %s at %s", config.run_id, dashboard.url)
         last_summary = time.monotonic()
-        while not stop.event.wait(min(ADMISSION_PERIOD, config.summary_period)):
+        period = min(ADMISSION_PERIOD, config.summary_period) if admission is not None else config.summary_period
+        while not stop.event.wait(period):
             if admission is not None:
                 admission.tick(dht, ttl=3 * ADMISSION_PERIOD)
             if time.monotonic() - last_summary >= config.summary_period:
