@@ -25,7 +25,7 @@ def test_a_lone_island_and_one_joining_through_it_fall_back_below_their_quorum(t
         swarm.start_island("q0", *FAST, *quorum, "--max-steps", "80", "--data-shard-index", "0", initial_peers=[])
         start = wait_for(lambda: events_of(swarm.events_path("q0"), "start"), timeout=120, message="q0's start")[0]
         wait_for(lambda: events_of(swarm.events_path("q0"), "step"), timeout=60, message="q0 training")
-        swarm.start_island("q1", *FAST, *quorum, "--max-steps", "40", "--data-shard-index", "1",
+        swarm.start_island("q1", *FAST, *quorum, "--max-steps", "60", "--data-shard-index", "1",
                            initial_peers=start["maddrs"])
         assert swarm.wait_islands(180) == {"q0": 0, "q1": 0}
     finally:
