@@ -7,5 +7,6 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 ./scripts/setup_venv.sh test,bench,wandb,tensorboard
 ./scripts/setup_chromium.sh  # the dashboard's browser test drives Debian's chromium
+./scripts/setup_faketime.sh  # the skewed-clock test moves islands' wall clocks with libfaketime
 export P2P_DILOCO_CACHE="${P2P_DILOCO_CACHE:-$PWD/.cache/p2p_diloco}"
 exec .venv/bin/python -m pytest "$@"

@@ -10,6 +10,7 @@ from typing import Callable
 
 import torch
 
+from p2p_diloco.algo.clock import SwarmClock
 from p2p_diloco.algo.handoff import Snapshot
 from p2p_diloco.config import OuterConfig
 from p2p_diloco.island.contribution import RoundFormat
@@ -96,7 +97,7 @@ class IslandParts:
         self.syncer = wire_syncer(island=name, config=config, store=self.store, stats=self.stats,
                                   quarantine=self.quarantine, transfer=self.transfer, formats=[self.wire],
                                   channels=[self.channel], learner=self.learner, swarm_bases=bases,
-                                  events=self.events.append, stop=self.stop)
+                                  events=self.events.append, stop=self.stop, swarm_clock=SwarmClock())
 
     @property
     def last(self) -> dict:

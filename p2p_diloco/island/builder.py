@@ -17,6 +17,7 @@ from typing import Optional
 
 import torch
 
+from p2p_diloco.algo.clock import SwarmClock
 from p2p_diloco.algo.fragments import balanced_layout
 from p2p_diloco.config import OuterConfig, PeerConfig
 from p2p_diloco.errors import ConfigError
@@ -144,6 +145,7 @@ class IslandBuilder:
         outer, layout = self.config.outer, island.layout
         island.store = FragmentStore(island.shapes)
         island.sync_stats = SyncerStats()
+        island.clock = SwarmClock()
         island.rounds_stop = threading.Event()
         island.quarantine = Quarantine(island=self.config.island, probation=outer.flag_probation,
                                        slot_spacing=outer.fragment_budget, check_lead=outer.matchmaking_time,

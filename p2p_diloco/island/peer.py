@@ -11,7 +11,6 @@ from __future__ import annotations
 import contextlib
 import logging
 import threading
-import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Callable, Optional
@@ -19,6 +18,7 @@ from typing import TYPE_CHECKING, Callable, Optional
 import torch
 
 from p2p_diloco import files
+from p2p_diloco.algo.clock import SwarmClock
 from p2p_diloco.algo.fragments import FragmentLayout
 from p2p_diloco.config import PeerConfig
 from p2p_diloco.errors import Interrupted
@@ -34,6 +34,7 @@ from p2p_diloco.island.store import FragmentStore
 from p2p_diloco.island.summary import make_summary, progress_record, status_text
 from p2p_diloco.island.syncer import Syncer, SyncerStats, wire_syncer
 from p2p_diloco.island.transfer import StateTransfer
+from p2p_diloco.net.clock import ClockProbe
 from p2p_diloco.net.gate import Admission, dht_refusals
 from p2p_diloco.net.dht import peers_by_id, reconnect_peers, start_dht, visible_maddrs
 from p2p_diloco.net.records import IslandProgress, ProgressBoard, make_validators
@@ -75,6 +76,7 @@ class Island:
     sync_stats: SyncerStats = None
     rounds_stop: threading.Event = None
     quarantine: Quarantine = None
+    clock: SwarmClock = None  # swarm time (docs/DESIGN.md, "Clocks")
     transfer: StateTransfer = None
     formats: list = None  # one RoundFormat per fragment
     checkpointer: Optional[ckpt.Checkpointer] = None
@@ -86,6 +88,7 @@ class Island:
     peer_id: str = ""
     maddrs: list = None
     board: Optional[ProgressBoard] = None
+    clock_probe: Optional[ClockProbe] = None
     channels: list = None
     syncer: Optional[Syncer] = None
     status_line: Optional[StatusLine] = None
@@ -140,6 +143,8 @@ class Island:
                              authorizer=self.admission.authorizer() if self.admission else None)
         teardown(lambda: self.dht.is_alive() and self.dht.shutdown(), "shutting down the DHT")
         self.peer_id, self.maddrs = str(self.dht.peer_id), visible_maddrs(self.dht)
+        self.clock_probe = ClockProbe(self.dht, self.clock)
+        self.clock_probe.check_at_start()  # a clock the DHT would refuse ends the start here (exit code 3)
         if self.admission is not None:  # before any donor may look for our certificate
             self.admission.tick(self.dht, config.progress.ttl)
         self.board = ProgressBoard(self.dht, config.run_id, public_key)
@@ -168,7 +173,8 @@ class Island:
         self.syncer = wire_syncer(island=config.island, config=outer, store=self.store, stats=self.sync_stats,
                                   quarantine=self.quarantine, transfer=self.transfer, formats=self.formats,
                                   channels=self.channels, learner=self.learner, events=self.events,
-                                  swarm_bases=lambda: self.reporter.swarm_bases(), stop=self.rounds_stop)
+                                  swarm_bases=lambda: self.reporter.swarm_bases(), stop=self.rounds_stop,
+                                  swarm_clock=self.clock, swarm_offsets=lambda: self.reporter.clock_offsets())
 
     def _start_reporter(self, teardown) -> None:
         config = self.config
@@ -180,10 +186,11 @@ class Island:
             show=lambda others, tick: self.status_line.update(status_text(self, others), tick),
             health=self._health, on_failure=self.stop.event.set,
             reconnect=lambda peers: reconnect_peers(self.dht, peers), initial=peers_by_id(self.peers),
-            chores=[lambda: self.admission.tick(self.dht, config.progress.ttl)] if self.admission else [],
+            chores=[self.clock_probe.tick] + ([lambda: self.admission.tick(self.dht, config.progress.ttl)]
+                                              if self.admission else []),
             # learn which islands the swarm caught sending garbage (a restart forgets)
             on_records=lambda others: self.quarantine.adopt(
-                [(r.island, r.flagged) for r in others if r.fingerprint == self.fingerprint], time.time()))
+                [(r.island, r.flagged) for r in others if r.fingerprint == self.fingerprint], self.clock.now()))
         self.reporter.start()
         teardown(self.reporter.stop, "stopping the reporter")
 

@@ -26,12 +26,14 @@ class BaseRepair:
     :param hand_over: hands a reloaded state to the learner, keeping the local progress made since
         our own Theta_p
     :param events: takes ``reload`` events
+    :param now: swarm time, seconds (the deadlines it is given are on it)
     """
 
     def __init__(self, *, store: FragmentStore, transfer: StateTransfer, quarantine: Quarantine,
-                 swarm_bases: SwarmBases, hand_over: HandOver, events: Callable[[dict], None]):
+                 swarm_bases: SwarmBases, hand_over: HandOver, events: Callable[[dict], None],
+                 now: Callable[[], float] = time.time):
         self.store, self.transfer, self.quarantine = store, transfer, quarantine
-        self.swarm_bases, self.hand_over, self.events = swarm_bases, hand_over, events
+        self.swarm_bases, self.hand_over, self.events, self.now = swarm_bases, hand_over, events, now
 
     def target(self, p: int, state: FragmentState) -> Optional[tuple[int, str]]:
         """The (version, hash) of fragment p to reload, from the other live islands' records, or None.
@@ -55,18 +57,18 @@ class BaseRepair:
 
     def repair(self, p: int, *, deadline: float, why: str) -> bool:
         """If the swarm's Theta_p differs from ours (see :meth:`target`), download it before
-        ``deadline`` (wall clock) and hand it to the learner, keeping the local progress made since
+        ``deadline`` (swarm time) and hand it to the learner, keeping the local progress made since
         our own Theta_p. Returns False only when a reload was needed and failed."""
         state = self.store.states[p]
         target = self.target(p, state)
         if target is None:
             return True
-        started = time.time()
+        started = self.now()
         fresh = self.transfer.download_until(p, min_version=target[0], want_hash=target[1],
                                              deadline=time.monotonic() + max(0.5, deadline - started))
         if fresh is not None:
             self.hand_over(p, fresh, state.theta, reason="reload")
-        self.events({"event": "reload", "why": why, "fragment": p, "t_start": started, "t_end": time.time(),
+        self.events({"event": "reload", "why": why, "fragment": p, "t_start": started, "t_end": self.now(),
                      "base_version": state.version, "target_version": target[0], "reloaded": fresh is not None,
                      "new_version": self.store.versions[p], "new_hash": self.store.hashes[p]})
         return fresh is not None

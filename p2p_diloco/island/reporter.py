@@ -62,6 +62,10 @@ class Reporter:
         return [(r.island, r.fragment_versions, r.fragment_hashes) for r in self.others
                 if r.state == "training" and r.fingerprint == self.fingerprint]
 
+    def clock_offsets(self) -> list[float]:
+        """The clock offsets (seconds ahead of the swarm) that the other live islands of this run publish."""
+        return [r.clock_offset for r in self.others if r.fingerprint == self.fingerprint]
+
     def _loop(self) -> None:
         tick = 0
         while not self._stop.is_set():

@@ -18,6 +18,7 @@ from typing import Optional
 import torch
 
 from p2p_diloco.algo import outer
+from p2p_diloco.algo.clock import SwarmClock
 from p2p_diloco.algo.handoff import Snapshot
 from p2p_diloco.algo.schedule import RoundSlot
 from p2p_diloco.config import OuterConfig
@@ -69,13 +70,14 @@ class OuterRound:
     :param channel: the fragment's averaging channel
     :param transfer: state downloads (a member whose base was older or a fork reloads the result)
     :param quarantine: the islands we keep out of our rounds (and flag when caught)
+    :param clock: swarm time (slots are on it; hivemind's matchmaking takes local wall-clock times)
     :param stop: set when the syncer stops: a round in flight is abandoned
     """
 
     def __init__(self, *, island: str, config: OuterConfig, wire: RoundFormat, channel: FragmentChannel,
-                 transfer: StateTransfer, quarantine: Quarantine, stop: threading.Event):
+                 transfer: StateTransfer, quarantine: Quarantine, clock: SwarmClock, stop: threading.Event):
         self.island, self.config, self.wire, self.channel = island, config, wire, channel
-        self.transfer, self.quarantine, self.stop = transfer, quarantine, stop
+        self.transfer, self.quarantine, self.clock, self.stop = transfer, quarantine, clock, stop
 
     def run(self, p: int, slot: RoundSlot, state: FragmentState, snapshot: Snapshot) -> RoundOutcome:
         """Average fragment p's pseudo-gradient ``Theta_p - snapshot`` at ``slot`` and step ``state``."""
@@ -87,15 +89,16 @@ class OuterRound:
             report = self.wire.write(mine, buffers)
         gather = dict(island=self.island, version=state.version, hash=state.hash, weight=mine.weight,
                       tokens=snapshot.tokens, steps=snapshot.steps, **report)
-        bits = self.quarantine.group_bits(time.time())
+        bits = self.quarantine.group_bits(self.clock.now())
         if bits is not None:  # meet only islands that flagged the same ones
             self.channel.set_group_bits(bits)
         before = self.channel.traffic()
         # past the slot, keep looking for members (up to K, hivemind's min_group_size) for the grace window
         deadline = slot.time + max(self.config.grace_window, self.config.request_timeout)
         gathered = self.channel.all_reduce(gather=gather, weight=max(mine.weight, LISTENER_WEIGHT),
-                                           scheduled_time=slot.time, deadline=deadline, stop=self.stop)
-        after, seconds = self.channel.traffic(), time.time() - slot.time
+                                           scheduled_time=self.clock.to_local(slot.time),
+                                           deadline=self.clock.to_local(deadline), stop=self.stop)
+        after, seconds = self.channel.traffic(), self.clock.now() - slot.time
         figures = {"bytes_sent": after[0] - before[0], "bytes_received": after[1] - before[1],
                    "base_version": state.version, "base_hash": state.hash, "weight": mine.weight,
                    "tokens": snapshot.tokens, "steps": snapshot.steps, "clipped": mine.clipped,
@@ -167,7 +170,7 @@ class OuterRound:
         flagged and kept out of our later rounds."""
         culprits = sorted(set(culprits) | set(self.wire.out_of_bounds(members, self.island)))
         for island in culprits:
-            seconds = self.quarantine.flag(island, "caught", time.time())
+            seconds = self.quarantine.flag(island, "caught", self.clock.now())
             if seconds:
                 logger.error("island %s sent an invalid pseudo-gradient: flagged, its rounds are avoided for %.0f s",
                              island, seconds)

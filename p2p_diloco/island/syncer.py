@@ -22,6 +22,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Callable, Optional, Sequence
 
+from p2p_diloco.algo.clock import MAX_CLOCK_OFFSET, SwarmClock, matchmaking_lead
 from p2p_diloco.algo.handoff import LearnerLink, Snapshot
 from p2p_diloco.algo.schedule import RoundClock, RoundSlot
 from p2p_diloco.config import OuterConfig
@@ -111,13 +112,18 @@ class Syncer:
     :param stats: the counters this syncer keeps
     :param events: takes ``round`` events (the island's JSONL log)
     :param stop: set by :meth:`stop`; the rounds and transfers share it
+    :param swarm_clock: swarm time, on which slots are scheduled (default: the local clock)
+    :param swarm_offsets: the clock offsets the other live islands publish (seconds)
     """
 
     def __init__(self, *, config: OuterConfig, store: FragmentStore, rounds: Sequence[OuterRound], repair: BaseRepair,
                  learner: LearnerLink, hand_over: HandOver, stats: SyncerStats, events: Callable[[dict], None],
-                 stop: threading.Event):
+                 stop: threading.Event, swarm_clock: Optional[SwarmClock] = None,
+                 swarm_offsets: Callable[[], Sequence[float]] = list):
         self.config, self.store, self.rounds, self.repair = config, store, list(rounds), repair
         self.learner, self.hand_over, self.stats, self.events, self._stop = learner, hand_over, stats, events, stop
+        self.swarm_clock, self.swarm_offsets = swarm_clock or SwarmClock(), swarm_offsets
+        self.now = self.swarm_clock.now
         self.clock = RoundClock(config.period, store.num_fragments)
         self._threads: list[threading.Thread] = []
 
@@ -141,14 +147,15 @@ class Syncer:
     # ---------------------------------------------------------------- fragment threads
 
     def _fragment_loop(self, p: int) -> None:
-        lead = self.config.matchmaking_time
         budget = self.clock.period / self.clock.num_fragments
         while not self._stop.is_set():
-            slot = self.clock.next_slot(p, time.time() + lead + min(1.0, budget / 4))
+            lead = self._lead()
+            slot = self.clock.next_slot(p, self.now() + lead + min(1.0, budget / 4))
             try:
-                # halfway between two rounds of p: repair the base if the swarm moved on without us,
-                # so that the next round starts from the swarm's Theta_p and we can take part in it
-                if self._sleep_until(slot.time - self.clock.period / 2):
+                # halfway between two rounds of p (or earlier, when skewed clocks make matchmaking start
+                # early): repair the base if the swarm moved on without us, so that the next round starts
+                # from the swarm's Theta_p and we can take part in it
+                if self._sleep_until(slot.time - max(self.clock.period / 2, lead + budget / 4 + 1.0)):
                     self.repair.repair(p, deadline=slot.time - lead - budget / 4, why="repair")
                 # wake early enough for the learner to reach a step boundary before matchmaking starts
                 while not self._stop.is_set():
@@ -160,23 +167,32 @@ class Syncer:
             except Exception as e:  # a bug must not kill the island's outer loop
                 logger.exception("round of fragment %d failed unexpectedly: %r", p, e)
 
+    def _lead(self) -> float:
+        """Seconds before a slot at which matchmaking starts (see :func:`matchmaking_lead`), at most what
+        leaves the fragment's previous round its grace window and all-reduce."""
+        config = self.config
+        lead = matchmaking_lead(config.matchmaking_time, [self.swarm_clock.offset, *self.swarm_offsets()],
+                                tolerance=MAX_CLOCK_OFFSET)
+        return max(config.matchmaking_time,
+                   min(lead, self.clock.period - config.grace_window - config.allreduce_timeout - 1.0))
+
     def _sleep_until(self, moment: float, at_most: float = float("inf")) -> bool:
-        """Wait until wall-clock ``moment`` (or ``at_most`` seconds); False if it has passed already
+        """Wait until swarm time ``moment`` (or ``at_most`` seconds); False if it has passed already
         or the syncer stops."""
-        remaining = moment - time.time()
+        remaining = moment - self.now()
         if remaining <= 0:
             return False
         return not self._stop.wait(min(remaining, at_most))
 
     def _run_round(self, p: int, slot: RoundSlot) -> None:
-        started = time.time()
+        started = self.now()
         # behind the swarm (a missed round) or on a lone fork: reload rather than send a pseudo-gradient
         # computed from the wrong base. If no donor answers, take part anyway: the round's gathered
         # metadata decides, and a member on the wrong base reloads after it (never skipping forever).
         if not self.repair.repair(p, deadline=slot.time - self.config.matchmaking_time / 2, why="behind"):
             logger.warning("fragment %d: could not reload the swarm's newer state; rounding from our own", p)
         state = self.store.states[p]
-        timeout = max(0.05, slot.time - time.time() - self.config.matchmaking_time / 4)
+        timeout = max(0.05, slot.time - self.now() - self.config.matchmaking_time / 4)
         snapshot = self.learner.request_snapshot(p, timeout=timeout)
         if snapshot is None:
             self._commit(p, slot, started, state, None, RoundOutcome("no_snapshot"))
@@ -199,27 +215,31 @@ class Syncer:
         if outcome.outcome in ("ok", "empty", "fallback"):
             new = outcome.state or state
             event |= {"new_version": new.version, "new_hash": new.hash}
-        self.events(event | {"t_end": time.time()})
+        self.events(event | {"t_end": self.now()})
 
 
 def wire_syncer(*, island: str, config: OuterConfig, store: FragmentStore, stats: SyncerStats, quarantine: Quarantine,
                 transfer: StateTransfer, formats: Sequence[RoundFormat], channels: Sequence[FragmentChannel],
                 learner: LearnerLink, swarm_bases: SwarmBases, events: Callable[[dict], None],
-                stop: threading.Event) -> Syncer:
+                stop: threading.Event, swarm_clock: SwarmClock,
+                swarm_offsets: Callable[[], Sequence[float]] = list) -> Syncer:
     """Connect an island's syncer parts once its channels are open (one per fragment): downloads
     through the channels, donor priorities from the published states (the newest version and the
     largest agreement are asked first), round traffic from the channels' codecs, one
     :class:`OuterRound` per fragment, the base repair and the hand-over to the learner.
 
     :param swarm_bases: (island, fragment versions, fragment hashes) of the other live islands
+    :param swarm_clock: swarm time (docs/DESIGN.md, "Clocks")
+    :param swarm_offsets: the clock offsets the other live islands publish (seconds)
     """
     transfer.attach(channels)
     store.on_publish(lambda p, state: channels[p].set_donor_priority(state.version + min(state.support, 999) / 1000))
     stats.round_traffic = lambda: tuple(sum(moved) for moved in zip(*(channel.traffic() for channel in channels)))
     rounds = [OuterRound(island=island, config=config, wire=wire, channel=channel, transfer=transfer,
-                         quarantine=quarantine, stop=stop) for wire, channel in zip(formats, channels)]
+                         quarantine=quarantine, clock=swarm_clock, stop=stop) for wire, channel in zip(formats, channels)]
     hand_over = HandOver(store, learner, apply=config.apply, alpha=config.alpha)
     repair = BaseRepair(store=store, transfer=transfer, quarantine=quarantine, swarm_bases=swarm_bases,
-                        hand_over=hand_over, events=events)
+                        hand_over=hand_over, events=events, now=swarm_clock.now)
     return Syncer(config=config, store=store, rounds=rounds, repair=repair, learner=learner, hand_over=hand_over,
-                  stats=stats, events=events, stop=stop)
+                  stats=stats, events=events, stop=stop, swarm_clock=swarm_clock,
+                  swarm_offsets=swarm_offsets)

@@ -48,6 +48,7 @@ class IslandProgress(BaseModel):
     peak_bytes_per_step: Count = 0  # largest round's bytes (sent + received) per inner step it lasted
     utilization: confloat(ge=0.0, le=1.0, strict=True)  # time in inner steps / wall time since first step
     goodput: confloat(ge=0.0, le=1.0, strict=True)  # time in inner steps / wall time since the island started
+    clock_offset: StrictFloat = 0.0  # seconds this machine's clock is ahead of the swarm's (negative: behind)
     started: StrictFloat  # wall-clock time of the first inner step (0 before it)
     time: StrictFloat  # wall-clock time of this record
 
@@ -143,13 +144,14 @@ def finite_or_none(value):
 
 
 METRICS = ("inner_step", "tokens", "tokens_per_second", "loss", "eval_loss", "rounds_ok", "rounds_failed",
-           "rounds_rejected", "utilization", "goodput", "bytes_sent", "bytes_received", "bytes_per_token")
+           "rounds_rejected", "utilization", "goodput", "bytes_sent", "bytes_received", "bytes_per_token",
+           "clock_offset")
 
 
 def island_metrics(record: Mapping) -> dict[str, float]:
     """A record's numeric metrics (``record``: an :class:`IslandProgress` as a dict) under the names
     that the dashboard (``/api/status``), ``/metrics`` (prefixed ``p2p_diloco_island_``), Weights &
-    Biases and TensorBoard all use. Units: tokens, tokens/s, nats (loss), bytes, fractions. Metrics
+    Biases and TensorBoard all use. Units: tokens, tokens/s, nats (loss), bytes, fractions, seconds (clock offset). Metrics
     without a finite value (no eval yet; a NaN from a faulty peer) are left out."""
     values = {name: record.get(name) for name in METRICS}
     values["bytes_per_token"] = record["bytes_sent"] / record["tokens"] if record.get("tokens") else None

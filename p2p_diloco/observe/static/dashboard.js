@@ -77,6 +77,11 @@ function drawSpeed(history) {
   }), data);
 }
 
+// seconds this island's clock is ahead of the swarm's (negative: behind)
+function clock(offset) {
+  return offset == null ? "-" : `${offset >= 0 ? "+" : "-"}${Math.abs(offset).toFixed(2)} s`;
+}
+
 function row(island) {
   const tr = document.createElement("tr");
   tr.dataset.island = island.key;
@@ -86,7 +91,7 @@ function row(island) {
     island.key, island.device, island.departed ? "departed" : island.state, big(island.inner_step),
     tokens(island.tokens), big(island.tokens_per_second), fmt(island.loss), fmt(island.eval_loss),
     island.fragment_versions.join(","), `${island.rounds_ok}/${island.rounds_failed}`, fmt(island.utilization),
-    fmt(island.bytes_per_token, 1), seen,
+    fmt(island.bytes_per_token, 1), clock(island.clock_offset), seen,
   ];
   cells.forEach((text, i) => {
     const td = document.createElement("td");

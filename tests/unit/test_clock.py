@@ -1,0 +1,58 @@
+"""Swarm time: offset estimates from ping exchanges, the swarm clock, the matchmaking lead."""
+
+import pytest
+
+from p2p_diloco.algo.clock import (MAX_CLOCK_OFFSET, ClockEstimate, ClockSample, SwarmClock, estimate_offset,
+                                   matchmaking_lead)
+
+
+def test_one_exchange_gives_the_offset_to_within_half_its_round_trip():
+    # we send at 100.0 (our clock), the peer answers 97.9 (its clock), the reply arrives at 100.2
+    sample = ClockSample("peer", sent=100.0, theirs=97.9, received=100.2)
+    assert sample.rtt == pytest.approx(0.2)
+    assert sample.offset == pytest.approx(2.2)  # midpoint 100.1 - 97.9: we are 2.2 s ahead
+
+
+def test_each_peer_counts_once_with_its_shortest_exchange_and_the_median_wins():
+    samples = [
+        ClockSample("a", 10.0, 8.0, 10.0),  # a: 2.0 ahead, exact
+        ClockSample("a", 10.0, 9.0, 12.0),  # a again, slow exchange (offset 2.0 too, rtt 2): not chosen
+        ClockSample("b", 10.0, 8.1, 10.0),  # b: 1.9
+        ClockSample("liar", 10.0, 1000.0, 10.0),  # one peer with a wild clock cannot move the median
+    ]
+    estimate = estimate_offset(samples)
+    assert estimate.peers == 3
+    assert estimate.offset == pytest.approx(1.9)
+    assert estimate.error == pytest.approx(0.0)
+    assert estimate_offset([]) is None
+
+
+def test_describe_names_the_direction():
+    assert "2.03 s ahead of the swarm" in ClockEstimate(2.03, 3, 0.001).describe()
+    assert "0.50 s behind the swarm" in ClockEstimate(-0.5, 1, 0.001).describe()
+
+
+def test_swarm_clock_converts_between_swarm_time_and_the_local_clock():
+    local = [1000.0]
+    clock = SwarmClock(wall=lambda: local[0])
+    assert clock.now() == 1000.0 and clock.offset == 0.0
+    clock.update(ClockEstimate(2.0, 3, 0.01))  # we are 2 s ahead
+    assert clock.now() == 998.0
+    assert clock.to_local(998.0) == 1000.0
+    clock.update(None)  # nobody answered: keep the last estimate
+    assert clock.offset == 2.0
+
+
+def test_the_lead_grows_with_the_spread_of_the_swarms_clocks_and_is_bounded():
+    assert matchmaking_lead(3.0, [], MAX_CLOCK_OFFSET) == 3.0
+    assert matchmaking_lead(3.0, [0.001, -0.002], MAX_CLOCK_OFFSET) == pytest.approx(3.003)
+    assert matchmaking_lead(3.0, [2.0, -2.0, 0.0], MAX_CLOCK_OFFSET) == pytest.approx(7.0)
+    assert matchmaking_lead(3.0, [1.5], MAX_CLOCK_OFFSET) == pytest.approx(4.5)  # the swarm's time counts
+    # a record claiming a wild offset is clipped to what the DHT accepts
+    assert matchmaking_lead(3.0, [1e9, -1e9, float("nan")], MAX_CLOCK_OFFSET) == pytest.approx(9.0)
+
+
+def test_our_tolerance_is_hivemind_s():
+    from hivemind.utils import MAX_DHT_TIME_DISCREPANCY_SECONDS
+
+    assert MAX_CLOCK_OFFSET == MAX_DHT_TIME_DISCREPANCY_SECONDS
