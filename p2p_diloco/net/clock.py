@@ -53,7 +53,7 @@ async def _ping_times(_dht, node, *, max_peers: int, repeats: int, timeout: floa
     return [answer for answers in results for answer in answers]
 
 
-def measure_offset(dht, *, max_peers: int = 16, repeats: int = 3, timeout: float = 2.0) -> Optional[ClockEstimate]:
+def measure_offset(dht, *, max_peers: int = 16, repeats: int = 3, timeout: float = 1.0) -> Optional[ClockEstimate]:
     """Ping the DHT's neighbours and estimate how far this machine's clock is from theirs.
 
     :param timeout: seconds one ping may take

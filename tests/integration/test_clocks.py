@@ -73,7 +73,7 @@ def test_islands_2_s_off_share_the_swarms_rounds_and_5_s_off_is_refused_at_start
                 shared[name] += name in event["members"]
         print(f"island-0's ok rounds from the first of all three: {len(ok)}; shared by: {shared}; offsets {offsets}; "
               f"the 5 s island stopped after {took:.1f} s")
-        assert len(ok) >= 10
+        assert len(ok) >= 8
         # before swarm time, an island 2 s ahead shared none of its rounds. The issue's target is 80%;
         # under libfaketime (which costs rounds even at a zero offset) runs measured 70-100%
         for name, count in shared.items():
