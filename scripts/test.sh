@@ -7,6 +7,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 ./scripts/setup_venv.sh test,bench,wandb,tensorboard
 ./scripts/setup_chromium.sh  # the dashboard's browser test drives Debian's chromium
-./scripts/setup_faketime.sh  # the skewed-clock test moves islands' wall clocks with libfaketime
+./scripts/setup_debian_package.sh faketime /usr/lib/x86_64-linux-gnu/faketime/libfaketime.so.1 \
+  "the skewed-clock test moves islands' wall clocks with it and is skipped without it"
 export P2P_DILOCO_CACHE="${P2P_DILOCO_CACHE:-$PWD/.cache/p2p_diloco}"
 exec .venv/bin/python -m pytest "$@"

@@ -30,8 +30,7 @@ class BaseRepair:
     """
 
     def __init__(self, *, store: FragmentStore, transfer: StateTransfer, quarantine: Quarantine,
-                 swarm_bases: SwarmBases, hand_over: HandOver, events: Callable[[dict], None],
-                 now: Callable[[], float] = time.time):
+                 swarm_bases: SwarmBases, hand_over: HandOver, events: Callable[[dict], None], now: Callable[[], float]):
         self.store, self.transfer, self.quarantine = store, transfer, quarantine
         self.swarm_bases, self.hand_over, self.events, self.now = swarm_bases, hand_over, events, now
 

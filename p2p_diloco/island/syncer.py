@@ -112,17 +112,16 @@ class Syncer:
     :param stats: the counters this syncer keeps
     :param events: takes ``round`` events (the island's JSONL log)
     :param stop: set by :meth:`stop`; the rounds and transfers share it
-    :param swarm_clock: swarm time, on which slots are scheduled (default: the local clock)
+    :param swarm_clock: swarm time, on which slots are scheduled
     :param swarm_offsets: the clock offsets the other live islands publish (seconds)
     """
 
     def __init__(self, *, config: OuterConfig, store: FragmentStore, rounds: Sequence[OuterRound], repair: BaseRepair,
                  learner: LearnerLink, hand_over: HandOver, stats: SyncerStats, events: Callable[[dict], None],
-                 stop: threading.Event, swarm_clock: Optional[SwarmClock] = None,
-                 swarm_offsets: Callable[[], Sequence[float]] = list):
+                 stop: threading.Event, swarm_clock: SwarmClock, swarm_offsets: Callable[[], Sequence[float]]):
         self.config, self.store, self.rounds, self.repair = config, store, list(rounds), repair
         self.learner, self.hand_over, self.stats, self.events, self._stop = learner, hand_over, stats, events, stop
-        self.swarm_clock, self.swarm_offsets = swarm_clock or SwarmClock(), swarm_offsets
+        self.swarm_clock, self.swarm_offsets = swarm_clock, swarm_offsets
         self.now = self.swarm_clock.now
         self.clock = RoundClock(config.period, store.num_fragments)
         self._threads: list[threading.Thread] = []

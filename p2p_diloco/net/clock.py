@@ -19,7 +19,6 @@ from p2p_diloco.errors import NetworkError
 
 logger = logging.getLogger(__name__)
 
-DHT_TOLERANCE = MAX_CLOCK_OFFSET  # seconds: hivemind.utils.MAX_DHT_TIME_DISCREPANCY_SECONDS (a test checks)
 WARN_ABOVE = 0.5  # seconds of measured offset worth a warning: rounds allow about matchmaking_time - 1 s
 
 
@@ -67,13 +66,6 @@ def measure_offset(dht, *, max_peers: int = 16, repeats: int = 3, timeout: float
     return estimate_offset(ClockSample(peer, sent, theirs, received) for peer, sent, theirs, received in rows)
 
 
-def skew_error(estimate: ClockEstimate, tolerance: float = DHT_TOLERANCE) -> NetworkError:
-    """The one-line error for a clock too far from the swarm's for hivemind's DHT (exit code 3)."""
-    return NetworkError(
-        f"this machine's clock is {estimate.describe()}; hivemind's DHT accepts peers at most {tolerance:.0f} s "
-        f"apart: enable NTP (e.g. 'timedatectl set-ntp true' or chrony) and start again")
-
-
 class ClockProbe:
     """Keeps a :class:`SwarmClock` up to date: measures at start, again ``soon`` seconds later (the
     DHT has met more peers by then: a median of two is their mean), then every ``every`` seconds.
@@ -85,25 +77,26 @@ class ClockProbe:
 
     def __init__(self, dht, clock: SwarmClock, every: float = 30.0, soon: float = 5.0):
         self.dht, self.clock, self.every = dht, clock, every
-        self._next = [soon]  # the gaps before the next measurements, then ``every``
+        self._gap = soon  # seconds from the last measurement to the next
         self._last = float("-inf")
         self._warned = False
 
     def check_at_start(self) -> Optional[ClockEstimate]:
         """Measure once; refuse a clock hivemind's DHT would not accept.
 
-        :raises NetworkError: when the offset exceeds :data:`DHT_TOLERANCE` (exit code 3)
+        :raises NetworkError: when the offset exceeds hivemind's tolerance, ``MAX_CLOCK_OFFSET`` (exit code 3)
         """
         estimate = self.measure()
-        if estimate is not None and abs(estimate.offset) > DHT_TOLERANCE:
-            raise skew_error(estimate)
+        if estimate is not None and abs(estimate.offset) > MAX_CLOCK_OFFSET:
+            raise NetworkError(
+                f"this machine's clock is {estimate.describe()}; hivemind's DHT accepts peers at most "
+                f"{MAX_CLOCK_OFFSET:.0f} s apart: enable NTP (e.g. 'timedatectl set-ntp true' or chrony) and start again")
         return estimate
 
     def tick(self) -> None:
-        """Measure again if ``every`` seconds passed (the reporter's chore)."""
-        if time.monotonic() - self._last >= (self._next[0] if self._next else self.every):
-            if self._next:
-                self._next.pop(0)
+        """Measure again when it is time (the reporter's chore)."""
+        if time.monotonic() - self._last >= self._gap:
+            self._gap = self.every
             self.measure()
 
     def measure(self) -> Optional[ClockEstimate]:
