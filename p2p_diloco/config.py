@@ -224,6 +224,10 @@ class PeerConfig(_Section):
         default_factory=lambda: ["/ip4/0.0.0.0/tcp/0"], description="multiaddrs to listen on"
     )
     announce_maddrs: list[str] = Field(default_factory=list, description="public multiaddrs to announce")
+    client_mode: Literal["auto", "on", "off"] = Field(
+        "auto", description="take part in rounds as a client (send parts, reduce and serve nothing), as a machine "
+        "behind NAT must: auto asks the initial peers at start whether they can dial this machine back",
+    )
     identity_path: str = Field("", description="private key file: a stable peer id across restarts")
     device: Literal["auto", "cpu", "cuda"] = Field("auto", description="auto takes CUDA when present")
     threads: int = Field(0, ge=0, description="torch CPU threads (0: torch's default)")

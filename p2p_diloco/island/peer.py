@@ -37,6 +37,7 @@ from p2p_diloco.island.transfer import StateTransfer
 from p2p_diloco.net.clock import ClockProbe
 from p2p_diloco.net.gate import Admission, dht_refusals
 from p2p_diloco.net.dht import peers_by_id, reconnect_peers, start_dht, visible_maddrs
+from p2p_diloco.net.reachability import decide_client_mode, serve_dial_back
 from p2p_diloco.net.records import IslandProgress, ProgressBoard, make_validators
 from p2p_diloco.procs import StopSignal
 
@@ -89,6 +90,7 @@ class Island:
     maddrs: list = None
     board: Optional[ProgressBoard] = None
     clock_probe: Optional[ClockProbe] = None
+    reachability: str = "unknown"  # public | nat | client (set by --client-mode on) | unknown
     channels: list = None
     syncer: Optional[Syncer] = None
     status_line: Optional[StatusLine] = None
@@ -136,12 +138,17 @@ class Island:
         self.channels = []
         teardown(self._close_channels, "ending the averagers")  # after the DHT: see HivemindChannel.close
         validators, public_key = make_validators(config.run_id)
+        self.reachability = decide_client_mode(config.client_mode, self.peers, config.host_maddrs,
+                                               config.announce_maddrs)
         self.dht = start_dht(initial_peers=self.peers, host_maddrs=config.host_maddrs,
                              announce_maddrs=config.announce_maddrs, identity_path=self.identity,
                              record_validators=validators, join_timeout=config.join_timeout,
                              stop_event=self.stop.event, wait_timeout=config.dht_wait_timeout,
-                             authorizer=self.admission.authorizer() if self.admission else None)
+                             authorizer=self.admission.authorizer() if self.admission else None,
+                             client_mode=self.client_mode)
         teardown(lambda: self.dht.is_alive() and self.dht.shutdown(), "shutting down the DHT")
+        if not self.client_mode:
+            serve_dial_back(self.dht)  # newcomers may ask whether they can be dialled
         self.peer_id, self.maddrs = str(self.dht.peer_id), visible_maddrs(self.dht)
         self.clock_probe = ClockProbe(self.dht, self.clock)
         self.clock_probe.check_at_start()  # a clock the DHT would refuse ends the start here (exit code 3)
@@ -204,10 +211,13 @@ class Island:
                                                 sampler=self.sampler, events=self.events)
                 self.resume = None  # release the tensors
             else:
-                joining.join_from_peers([r for r in others if r.state == "training" and r.fingerprint == self.fingerprint],
+                # clients (behind NAT) serve no state: only full members can be donors
+                donors = [r for r in others if r.state == "training" and r.fingerprint == self.fingerprint
+                          and r.reachability not in ("nat", "client")]
+                joining.join_from_peers(donors,
                                         transfer=self.transfer, store=self.store, learner=self.learner,
                                         events=self.events, timeout=config.join_timeout, stop=self.stop.event)
-            for channel in self.channels:
+            for channel in self.channels if not self.client_mode else ():  # nobody could reach a client
                 channel.share_state()
             self.syncer.start()
             self.reporter.state = "training"
@@ -262,6 +272,12 @@ class Island:
         record = progress_record(self, state)
         self.explog.log(record)
         return record
+
+    @property
+    def client_mode(self) -> bool:
+        """True when this island takes part in rounds as a client: it sends its parts and receives the
+        averages, reduces nothing and serves no state (docs/DESIGN.md, "Islands behind NAT")."""
+        return self.reachability in ("nat", "client")
 
     def refused_peers(self) -> list[str]:
         """Peers this island refused (a private run): at its DHT and at its averagers."""

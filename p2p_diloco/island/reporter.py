@@ -93,7 +93,8 @@ class Reporter:
         cut off), so that a partition heals even after the bootstrap node is gone."""
         now = time.time()
         for record in self.others:
-            self.known[record.peer_id] = (list(record.maddrs), now)
+            if record.reachability not in ("nat", "client"):  # nobody can dial an island behind NAT
+                self.known[record.peer_id] = (list(record.maddrs), now)
         if self.reconnect is None or now - self._last_heal < self.heal_every:
             return
         if self._healing is not None and not self._healing.done():

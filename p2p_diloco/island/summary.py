@@ -26,7 +26,7 @@ def progress_record(island, state: str) -> IslandProgress:
         flagged=island.quarantine.names(), refused=island.refused_peers(), bytes_sent=sync.bytes_sent, bytes_received=sync.bytes_received,
         peak_bytes_per_step=sync.peak_bytes_per_step, utilization=float(stats.utilization),
         goodput=float(min(1.0, stats.inner_time / max(1e-9, time.time() - island.launched))),
-        clock_offset=round(float(island.clock.offset), 4), started=float(stats.first_step_start), time=time.time(),
+        clock_offset=round(float(island.clock.offset), 4), reachability=island.reachability, started=float(stats.first_step_start), time=time.time(),
     )
 
 
@@ -78,6 +78,7 @@ def make_summary(island, stop_reason: str) -> dict:
         **bandwidth_figures(sync, stats.tokens, island.parameters, island.tokens_per_step),
         "elements_clipped": sync.clipped,
         "clock_offset": round(float(island.clock.offset), 4),
+        "reachability": island.reachability,
         "resumed_from": str(island.resumed_from) if island.resumed_from else None,
         "checkpoint": checkpointer.last if checkpointer is not None else None,
     }

@@ -135,6 +135,12 @@ class HivemindChannel:
         self._shared["grid"].fill_(grid.TOP_EXPONENT)  # (a grid that carries nothing, until it tells)
         if not self.averager.is_alive():  # step() would wait forever for a dead process
             return None
+        if self.averager.client_mode:
+            # a client can only join a full member's group, and that leader refuses a request that
+            # expires before its own declared expiration (hivemind's BAD_EXPIRATION_TIME): a leader that
+            # started late, or whose clock estimate puts the slot a few ms later than ours, would refuse
+            # us, and no other leader can take us. Offer the latest moment we still wait for instead.
+            scheduled_time = max(scheduled_time, deadline)
         control = None
         try:
             control = self.averager.step(gather=gather | self._certificate, weight=weight, scheduled_time=scheduled_time,

@@ -133,6 +133,7 @@ def start_dht(
 ):
     """Start a hivemind DHT, retrying with exponential backoff while the initial peers are unreachable.
 
+    :param client_mode: store and serve nothing (observers; islands behind NAT): nobody dials it
     :param join_timeout: seconds to keep retrying before giving up
     :param wait_timeout: seconds a DHT request waits for a reply (hivemind's default: 3)
     :param authorizer: a private run's :class:`p2p_diloco.net.gate.RunAuthorizer` (None: open)
@@ -146,6 +147,8 @@ def start_dht(
         client_mode=client_mode,
         record_validators=list(record_validators),
         nat_port_map=False,  # no UPnP multicast on the local network
+        # no libp2p circuit relays: an island behind NAT takes part as a client, which only dials out
+        # (docs/DESIGN.md, "Islands behind NAT" says why, and why our lab cannot exercise them)
         use_relay=False,
         use_auto_relay=False,
         startup_timeout=30,

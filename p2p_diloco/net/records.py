@@ -11,7 +11,7 @@ from __future__ import annotations
 import logging
 import math
 import threading
-from typing import Dict, List, Mapping, Optional
+from typing import Dict, List, Literal, Mapping, Optional
 
 from hivemind.dht.schema import BytesWithPublicKey, RSASignatureValidator, SchemaValidator
 from hivemind.utils import ValueWithExpiration, get_dht_time
@@ -49,6 +49,8 @@ class IslandProgress(BaseModel):
     utilization: confloat(ge=0.0, le=1.0, strict=True)  # time in inner steps / wall time since first step
     goodput: confloat(ge=0.0, le=1.0, strict=True)  # time in inner steps / wall time since the island started
     clock_offset: StrictFloat = 0.0  # seconds this machine's clock is ahead of the swarm's (negative: behind)
+    # public | nat (nobody could dial it back: a client-mode member) | client (--client-mode on) | unknown
+    reachability: Literal["public", "nat", "client", "unknown"] = "unknown"
     started: StrictFloat  # wall-clock time of the first inner step (0 before it)
     time: StrictFloat  # wall-clock time of this record
 
@@ -145,15 +147,17 @@ def finite_or_none(value):
 
 METRICS = ("inner_step", "tokens", "tokens_per_second", "loss", "eval_loss", "rounds_ok", "rounds_failed",
            "rounds_rejected", "utilization", "goodput", "bytes_sent", "bytes_received", "bytes_per_token",
-           "clock_offset")
+           "clock_offset", "client_mode")
 
 
 def island_metrics(record: Mapping) -> dict[str, float]:
     """A record's numeric metrics (``record``: an :class:`IslandProgress` as a dict) under the names
     that the dashboard (``/api/status``), ``/metrics`` (prefixed ``p2p_diloco_island_``), Weights &
-    Biases and TensorBoard all use. Units: tokens, tokens/s, nats (loss), bytes, fractions, seconds (clock offset). Metrics
-    without a finite value (no eval yet; a NaN from a faulty peer) are left out."""
+    Biases and TensorBoard all use. Units: tokens, tokens/s, nats (loss), bytes, fractions, seconds (clock offset);
+    ``client_mode`` is 1 for a member that reduces nothing (behind NAT), else 0. Metrics without a finite
+    value (no eval yet; a NaN from a faulty peer) are left out."""
     values = {name: record.get(name) for name in METRICS}
+    values["client_mode"] = float(record.get("reachability") in ("nat", "client"))
     values["bytes_per_token"] = record["bytes_sent"] / record["tokens"] if record.get("tokens") else None
     values = {name: finite_or_none(value) for name, value in values.items()}
     return {name: float(value) for name, value in values.items() if value is not None}

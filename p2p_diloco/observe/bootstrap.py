@@ -16,6 +16,7 @@ from p2p_diloco.config import BootstrapConfig
 from p2p_diloco.procs import StopSignal
 from p2p_diloco.net.gate import dht_refusals, load_admission
 from p2p_diloco.net.records import ProgressBoard, make_validators
+from p2p_diloco.net.reachability import serve_dial_back
 
 logger = logging.getLogger(__name__)
 ADMISSION_PERIOD = 2.0  # seconds between a private run's chores (revocation list, certificate)
@@ -62,6 +63,7 @@ def run_bootstrap(config: BootstrapConfig, stop: StopSignal) -> None:
             identity_path=identity, record_validators=validators, stop_event=stop.event,
             authorizer=admission.authorizer() if admission else None,
         )
+        serve_dial_back(dht)  # joining islands ask whether they can be dialled (p2p_diloco.net.reachability)
         print("INITIAL_PEERS=" + " ".join(visible_maddrs(dht)), flush=True)
         logger.info("bootstrap peer %s is up (identity %s)", dht.peer_id, identity)
         board = ProgressBoard(dht, config.run_id, public_key) if config.run_id else None

@@ -13,6 +13,10 @@ from p2p_diloco.procs import StopSignal
 from p2p_diloco.net.records import IslandProgress, ProgressBoard, finite_or_none, make_validators
 
 
+# the "network" column: how the island takes part in rounds (docs/DESIGN.md, "Islands behind NAT")
+NETWORK = {"public": "public", "nat": "NAT (client)", "client": "client", "unknown": "?"}
+
+
 def island_row(record: IslandProgress, now: float) -> dict:
     """One island of ``status --json``: its record (non-finite numbers as null), ``last_seen_s`` and
     ``bytes_per_token`` (bytes sent / tokens trained)."""
@@ -42,6 +46,7 @@ def swarm_snapshot(records: list[IslandProgress], run_id: str, now: float | None
         "flagged": sorted({name for r in records for name in r.flagged}),
         "refused": len({peer for r in records for peer in r.refused}),  # peers refused admission
         "max_clock_offset": round(max((abs(r.clock_offset) for r in records), default=0.0), 3),  # seconds
+        "behind_nat": sum(r.reachability == "nat" for r in records),  # client-mode members nobody can dial
     }
     return {"run_id": run_id, "time": now, "islands": islands, "totals": totals}
 
@@ -63,7 +68,8 @@ def render_table(snapshot: dict):
         title_justify="left",
     )
     for column in ("island", "peer id", "device", "state", "step", "tokens", "tok/s", "loss", "eval",
-                   "versions", "rounds ok/failed", "util", "bytes/tok", "peak B/step", "clock", "last seen", "flagged"):
+                   "versions", "rounds ok/failed", "util", "bytes/tok", "peak B/step", "clock", "network", "last seen",
+                   "flagged"):
         table.add_column(column, justify="left" if column in ("island", "peer id", "device", "state", "flagged")
                          else "right")
     for r in snapshot["islands"]:
@@ -72,7 +78,7 @@ def render_table(snapshot: dict):
             f"{r['tokens'] / 1e6:.2f}M", f"{r['tokens_per_second']:,.0f}", fmt(r["loss"]), fmt(r["eval_loss"]),
             ",".join(map(str, r["fragment_versions"])), f"{r['rounds_ok']}/{r['rounds_failed']}",
             f"{r['utilization']:.3f}", fmt(r["bytes_per_token"], "{:,.1f}"), f"{r['peak_bytes_per_step']:,}",
-            f"{r.get('clock_offset') or 0.0:+.2f}s", f"{r['last_seen_s']:.0f}s", ",".join(r["flagged"]) or "-",
+            f"{r.get('clock_offset') or 0.0:+.2f}s", NETWORK.get(r.get("reachability"), "?"), f"{r['last_seen_s']:.0f}s", ",".join(r["flagged"]) or "-",
         )
     return table
 

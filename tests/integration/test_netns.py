@@ -69,3 +69,30 @@ def test_lab_links_can_be_cut_throttled_and_removed():
     names = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
     assert f"p2pd-{lab.tag}-" not in names
     assert subprocess.run(["ip", "link", "show", lab.bridge], capture_output=True).returncode != 0
+
+
+@pytest.mark.skipif(netns.check_available(nat=True) is not None, reason="namespaces or iptables unavailable")
+def test_an_island_behind_nat_dials_out_and_nobody_dials_it():
+    try:
+        lab = netns.Lab(3, nat=(1, 2))
+    except netns.NetnsUnavailable as e:
+        pytest.skip(str(e))
+    servers = []
+    try:
+        for i in range(3):
+            server = subprocess.Popen([*lab.prefix(i), sys.executable, "-c", SERVER, lab.address(i)],
+                                      stdout=subprocess.PIPE, text=True)
+            servers.append(server)
+            ready, _, _ = select.select([server.stdout], [], [], 20)
+            assert ready and server.stdout.readline().strip() == "ready"
+        assert lab.address(1) == lab.address(2) == "192.168.1.10"  # one private LAN behind every router
+        assert _run_in(lab, 1, CLIENT, lab.address(0)) == "ping"  # out through the router
+        assert _run_in(lab, 0, CLIENT, lab.address(1)).startswith("unreachable")  # no route to a private LAN
+        assert _run_in(lab, 0, CLIENT, lab.public_address(1)).startswith("unreachable")  # the router forwards nothing
+        assert _run_in(lab, 2, CLIENT, lab.public_address(1)).startswith("unreachable")  # nor for the other NAT'd
+    finally:
+        for server in servers:
+            server.kill()
+            server.wait(5)
+        lab.close()
+    assert f"p2pd-{lab.tag}-" not in subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout

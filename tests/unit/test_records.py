@@ -42,7 +42,8 @@ def test_valid_record_passes_schema_and_signature():
     assert signature.validate(signed) and schema.validate(stripped)
 
 
-@pytest.mark.parametrize("bad", [{"inner_step": 3.0}, {"tokens": -1}, {"utilization": 1.5}, {"loss": "low"}])
+@pytest.mark.parametrize("bad", [{"inner_step": 3.0}, {"tokens": -1}, {"utilization": 1.5}, {"loss": "low"},
+                                 {"reachability": "relay"}])
 def test_malformed_records_are_rejected(bad):
     validators, public_key = make_validators("run")
     value = _record().dict() | bad
@@ -77,3 +78,21 @@ def test_status_shows_bytes_per_token_and_peak_bytes_per_step():
     text = console.export_text()
     assert "bytes/tok" in text and "900" in text and "2.0 bytes/token sent" in text
     assert _record().peak_bytes_per_step == 0  # records of older islands still validate
+
+
+def test_status_says_which_islands_are_behind_nat():
+    from rich.console import Console
+
+    from p2p_diloco.net.records import island_metrics
+    from p2p_diloco.observe.status import render_table, swarm_snapshot
+
+    records = [_record(reachability="public"), _record(island="home", reachability="nat"),
+               _record(island="forced", reachability="client")]
+    snapshot = swarm_snapshot(records, "run")
+    assert snapshot["totals"]["behind_nat"] == 1
+    console = Console(width=260, record=True)
+    console.print(render_table(snapshot))
+    rows = {line.split()[1]: line for line in console.export_text().splitlines() if line.count("│") > 5}
+    assert "NAT (client)" in rows["home"] and "public" in rows["i0"] and " client " in rows["forced"]
+    assert [island_metrics(r.dict())["client_mode"] for r in records] == [0.0, 1.0, 1.0]
+    assert _record().reachability == "unknown"  # records of older islands still validate

@@ -12,12 +12,13 @@ class Done:
         return True
 
 
-def record(island: str, peer: str):
+def record(island: str, peer: str, reachability: str = "public"):
     class R:  # the fields _heal reads
         pass
 
     r = R()
     r.island, r.peer_id, r.maddrs = island, peer, [f"/ip4/127.0.0.1/tcp/1/p2p/{peer}"]
+    r.reachability = reachability
     return r
 
 
@@ -30,12 +31,12 @@ def reporter(calls, initial=None):
 def test_islands_that_vanished_are_dialled_again_and_the_initial_peers_when_alone():
     calls = []
     rep = reporter(calls, initial={"Boot": ["/ip4/127.0.0.1/tcp/9/p2p/Boot"]})
-    rep.others = [record("a", "A"), record("b", "B")]
+    rep.others = [record("a", "A"), record("b", "B"), record("home", "H", "nat")]
     rep._heal()
     assert calls == []  # everybody visible
     rep.others = [record("a", "A")]
     rep._heal()
-    assert list(calls[-1]) == ["B"]  # b's record expired: dial it again
+    assert list(calls[-1]) == ["B"]  # b's record expired: dial it again (nobody can dial H, behind NAT)
     rep.others = []
     rep._heal()
     assert set(calls[-1]) == {"A", "B", "Boot"}  # alone: the initial peers too

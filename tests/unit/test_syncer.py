@@ -252,6 +252,8 @@ def test_a_failed_all_reduce_frees_its_tensors_without_the_cyclic_gc():
             return True
 
     class AveragerDouble:
+        client_mode = False
+
         def is_alive(self):
             return True
 
@@ -276,6 +278,33 @@ def test_a_failed_all_reduce_frees_its_tensors_without_the_cyclic_gc():
         assert a_round()() is None
     finally:
         gc.enable()
+
+
+def test_a_client_offers_the_end_of_its_grace_window_as_its_expiration():
+    """A client-mode member can only join a full member's group, whose leader refuses requests that
+    expire before its own declared expiration (docs/DESIGN.md, "Islands behind NAT")."""
+    from p2p_diloco.net.channel import HivemindChannel
+
+    class AveragerDouble:
+        def __init__(self, client_mode):
+            self.client_mode, self.steps = client_mode, []
+
+        def is_alive(self):
+            return True
+
+        def step(self, **kwargs):
+            self.steps.append(kwargs)
+            raise RuntimeError("no group")
+
+    for client_mode, expected in ((False, 100.0), (True, 101.5)):
+        channel = object.__new__(HivemindChannel)
+        channel.averager, channel.allreduce_timeout, channel.levels = AveragerDouble(client_mode), 1.0, 0
+        channel._traffic = torch.zeros(3, dtype=torch.int64)
+        channel._shared = {"grid": torch.zeros(1, dtype=torch.int16)}
+        channel._certificate = {}
+        assert channel.all_reduce(gather={}, weight=1.0, scheduled_time=100.0, deadline=101.5,
+                                  stop=threading.Event()) is None
+        assert channel.averager.steps[0]["scheduled_time"] == expected
 
 
 def test_the_store_hands_over_and_publishes_together():

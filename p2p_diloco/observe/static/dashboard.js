@@ -82,6 +82,9 @@ function clock(offset) {
   return offset == null ? "-" : `${offset >= 0 ? "+" : "-"}${Math.abs(offset).toFixed(2)} s`;
 }
 
+// how the island takes part in rounds (docs/DESIGN.md, "Islands behind NAT")
+const NETWORK = { public: "public", nat: "NAT (client)", client: "client", unknown: "?" };
+
 function row(island) {
   const tr = document.createElement("tr");
   tr.dataset.island = island.key;
@@ -91,7 +94,7 @@ function row(island) {
     island.key, island.device, island.departed ? "departed" : island.state, big(island.inner_step),
     tokens(island.tokens), big(island.tokens_per_second), fmt(island.loss), fmt(island.eval_loss),
     island.fragment_versions.join(","), `${island.rounds_ok}/${island.rounds_failed}`, fmt(island.utilization),
-    fmt(island.bytes_per_token, 1), clock(island.clock_offset), seen,
+    fmt(island.bytes_per_token, 1), clock(island.clock_offset), NETWORK[island.reachability] || "?", seen,
   ];
   cells.forEach((text, i) => {
     const td = document.createElement("td");

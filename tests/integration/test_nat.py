@@ -1,0 +1,88 @@
+"""Islands behind NAT (docs/DESIGN.md, "Islands behind NAT"): a small internet in network namespaces.
+A bridge stands for the public internet, with the bootstrap node (in this namespace) and one public
+island; two islands sit behind NAT routers of their own (iptables MASQUERADE, same private LAN), so
+each can dial out and nobody can dial it, not even the other. Both find out that they cannot be
+dialled, take part in rounds as client-mode members, share the public island's rounds and end them
+with its Theta, and status says they are behind NAT; once the public island has left, their rounds
+fall back as a lone island's do."""
+
+from __future__ import annotations
+
+import pytest
+
+from p2p_diloco.lab import netns
+from tests.integration.helpers import FAST, events_of, rounds_by_slot, status_json, wait_for
+
+pytestmark = pytest.mark.integration
+RUN = "nat"
+REASON = netns.check_available(nat=True)
+
+
+@pytest.mark.skipif(REASON is not None, reason=f"network namespaces unavailable: {REASON}")
+def test_islands_behind_two_nat_routers_share_the_public_islands_rounds(tmp_path):
+    from p2p_diloco.lab.localswarm import LocalSwarm
+
+    try:
+        lab = netns.Lab(3, nat=(1, 2))
+    except netns.NetnsUnavailable as e:  # root without CAP_SYS_ADMIN (a container, say)
+        pytest.skip(str(e))
+    names = ["public", "home-1", "home-2"]
+    swarm = LocalSwarm(tmp_path / "swarm", run_id=RUN, host=lab.host)
+    paths = {name: swarm.events_path(name) for name in names}
+
+    def shared_ok_rounds():
+        rounds = [e for e in events_of(paths["public"], "round") if e["outcome"] == "ok"]
+        first = next((i for i, e in enumerate(rounds) if len(e["members"]) == 3), len(rounds))
+        return len(rounds) - first
+
+    try:
+        swarm.start_bootstrap()
+        # the clients join a training swarm: they download its state from the public island
+        swarm.start_island("public", *FAST, host=lab.address(0), prefix=lab.prefix(0))
+        wait_for(lambda: events_of(paths["public"], "step"), 90, message="the public island's first step")
+        for i, name in enumerate(names[1:], start=1):
+            swarm.start_island(name, *FAST, "--max-steps", "100", host=lab.address(i), prefix=lab.prefix(i))
+        wait_for(lambda: shared_ok_rounds() >= 2, 120, message="rounds of all three islands")
+        islands = {r["island"]: r for r in status_json(swarm.initial_peers, RUN)["islands"]}
+        assert set(islands) == set(names)
+        assert [islands[n]["reachability"] for n in names] == ["public", "nat", "nat"]
+        # bounded in rounds: then the public island leaves, and the clients finish their steps alone
+        wait_for(lambda: shared_ok_rounds() >= 10, 120, message="10 ok rounds of the public island")
+        assert swarm.islands["public"].stop() == 0
+        assert all(code == 0 for code in swarm.wait_islands(300).values()), swarm.wait_islands(1)
+    finally:
+        swarm.close()
+        lab.close()
+
+    # state downloads work from the public donor (the clients, which nobody can dial, serve none)
+    for name in names[1:]:
+        assert events_of(paths[name], "join_start")[0]["donors"] == ["public"]
+        assert len(events_of(paths[name], "join")) == 2, name  # both fragments downloaded
+        assert not events_of(paths[name], "donate"), name
+    assert len(events_of(paths["public"], "donate")) >= 4
+    # without a public member nobody can reduce: rounds fall back as a lone island's do, training goes on
+    public_left = events_of(paths["public"], "stop")[0]["t"]
+    for name in names[1:]:
+        alone = [e for e in events_of(paths[name], "round") if e["t_start"] > public_left + 1.0]
+        assert any(e["outcome"] == "fallback" for e in alone), (name, alone)
+        assert all(e["outcome"] != "ok" for e in alone), (name, alone)
+
+    table = rounds_by_slot(paths)
+    first = min(slot for slot, row in table.items() if len(row.get("public", {}).get("members", [])) == 3)
+    ok = {name: [slot for slot, row in table.items() if slot >= first and row.get(name, {}).get("outcome") == "ok"]
+          for name in names}
+    # a NAT'd island's ok rounds over the public island's: both ended the slot's round as members
+    together = {name: len(set(ok["public"]) & set(ok[name])) for name in names[1:]}
+    print(f"ok rounds from the first of all three: public {len(ok['public'])}, shared by {together}")
+    assert len(ok["public"]) >= 8
+    for name in names[1:]:
+        assert together[name] >= 0.8 * len(ok["public"]), (name, together, len(ok["public"]))
+    # islands that start a round from the same Theta and complete it end with the same Theta (hashes
+    # of the bytes). A member on a fork (its first rounds fell back alone) or one dropped mid-round
+    # (hivemind's sender timeout) reloads the canonical Theta after it
+    same_base = [slot for slot in ok["public"]
+                 if len({table[slot][name].get("base_hash") for name in names if name in table[slot]}) == 1]
+    assert len(same_base) >= 0.5 * len(ok["public"])
+    for slot in same_base:
+        completed = {name: event["new_hash"] for name, event in table[slot].items() if event["outcome"] == "ok"}
+        assert len(set(completed.values())) == 1, (slot, completed)
