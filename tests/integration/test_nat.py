@@ -15,6 +15,9 @@ from tests.integration.helpers import FAST, events_of, rounds_by_slot, status_js
 
 pytestmark = pytest.mark.integration
 RUN = "nat"
+# FAST, with a grace window of 1 s (FAST's 0.5 s is tight for clients on a loaded 2-core machine: a
+# client waits for its leader's start no longer than the product's default of 1.5 s would let it)
+TIMING = [*FAST, "--outer-period", "10", "--outer-grace-window", "1.0"]
 REASON = netns.check_available(nat=True)
 
 
@@ -38,18 +41,21 @@ def test_islands_behind_two_nat_routers_share_the_public_islands_rounds(tmp_path
     try:
         swarm.start_bootstrap()
         # the clients join a training swarm: they download its state from the public island
-        swarm.start_island("public", *FAST, host=lab.address(0), prefix=lab.prefix(0))
+        swarm.start_island("public", *TIMING, host=lab.address(0), prefix=lab.prefix(0))
         wait_for(lambda: events_of(paths["public"], "step"), 90, message="the public island's first step")
-        for i, name in enumerate(names[1:], start=1):
-            swarm.start_island(name, *FAST, "--max-steps", "100", host=lab.address(i), prefix=lab.prefix(i))
+        for i, name in enumerate(names[1:], start=1):  # (a bound; the test stops them after their rounds)
+            swarm.start_island(name, *TIMING, "--max-steps", "1000", host=lab.address(i), prefix=lab.prefix(i))
         wait_for(lambda: shared_ok_rounds() >= 2, 120, message="rounds of all three islands")
         islands = {r["island"]: r for r in status_json(swarm.initial_peers, RUN)["islands"]}
         assert set(islands) == set(names)
         assert [islands[n]["reachability"] for n in names] == ["public", "nat", "nat"]
-        # bounded in rounds: then the public island leaves, and the clients finish their steps alone
+        # bounded in rounds: the public island leaves after 10, the clients after two rounds alone
         wait_for(lambda: shared_ok_rounds() >= 10, 120, message="10 ok rounds of the public island")
         assert swarm.islands["public"].stop() == 0
-        assert all(code == 0 for code in swarm.wait_islands(300).values()), swarm.wait_islands(1)
+        public_left = events_of(paths["public"], "stop")[0]["t"]
+        wait_for(lambda: all(len([e for e in events_of(paths[name], "round") if e["t_start"] > public_left + 1.0]) >= 2
+                             for name in names[1:]), 60, message="two rounds of each client alone")
+        assert [swarm.islands[name].stop() for name in names[1:]] == [0, 0]
     finally:
         swarm.close()
         lab.close()
@@ -61,7 +67,6 @@ def test_islands_behind_two_nat_routers_share_the_public_islands_rounds(tmp_path
         assert not events_of(paths[name], "donate"), name
     assert len(events_of(paths["public"], "donate")) >= 4
     # without a public member nobody can reduce: rounds fall back as a lone island's do, training goes on
-    public_left = events_of(paths["public"], "stop")[0]["t"]
     for name in names[1:]:
         alone = [e for e in events_of(paths[name], "round") if e["t_start"] > public_left + 1.0]
         assert any(e["outcome"] == "fallback" for e in alone), (name, alone)
