@@ -37,7 +37,7 @@ def test_islands_2_s_off_share_the_swarms_rounds_and_5_s_off_is_refused_at_start
 
     swarm = LocalSwarm(tmp_path / "swarm", run_id=RUN)
     names = {"island-0": "", "ahead": "+2s", "behind": "-2s"}
-    flags = [*FAST, *TIMING, "--max-steps", "260"]
+    flags = [*FAST, *TIMING, "--max-steps", "2000"]  # (a bound: the test stops them after their rounds)
     try:
         swarm.start_bootstrap()
         for name, offset in names.items():
@@ -62,18 +62,22 @@ def test_islands_2_s_off_share_the_swarms_rounds_and_5_s_off_is_refused_at_start
         assert_clean_error(far, 3, "s ahead of the swarm")
         assert "enable NTP" in far.stderr and took < 30 + 20  # the join timeout, plus building the model
 
-        assert all(code == 0 for code in swarm.wait_islands(300).values())
-        table = rounds_by_slot(paths)
-        first = min(slot for slot, row in table.items() if len(row.get("island-0", {}).get("members", [])) == 3)
+        def island_0_ok_rounds():
+            table = rounds_by_slot(paths)
+            first = min(slot for slot, row in table.items() if len(row.get("island-0", {}).get("members", [])) == 3)
+            return [row["island-0"] for slot, row in sorted(table.items())
+                    if slot >= first and row.get("island-0", {}).get("outcome") == "ok"]
+
+        # bounded in rounds: 12 ok rounds of island-0 from the first of all three, then everyone stops
+        wait_for(lambda: len(island_0_ok_rounds()) >= 12, 240, message="12 ok rounds of island-0")
+        assert [swarm.islands[name].stop() for name in names] == [0, 0, 0]
         shared = {name: 0 for name in ("ahead", "behind")}
-        ok = [row["island-0"] for slot, row in table.items()
-              if slot >= first and row.get("island-0", {}).get("outcome") == "ok"]
+        ok = island_0_ok_rounds()
         for event in ok:
             for name in shared:
                 shared[name] += name in event["members"]
         print(f"island-0's ok rounds from the first of all three: {len(ok)}; shared by: {shared}; offsets {offsets}; "
               f"the 5 s island stopped after {took:.1f} s")
-        assert len(ok) >= 8
         # before swarm time, an island 2 s ahead shared none of its rounds. The issue's target is 80%;
         # under libfaketime (which costs rounds even at a zero offset) runs measured 64-95%
         for name, count in shared.items():
