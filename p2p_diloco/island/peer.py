@@ -91,6 +91,7 @@ class Island:
     board: Optional[ProgressBoard] = None
     clock_probe: Optional[ClockProbe] = None
     reachability: str = "unknown"  # public | nat | client (set by --client-mode on) | unknown
+    _no_full_member: bool = False  # a client that sees no full member (said once)
     channels: list = None
     syncer: Optional[Syncer] = None
     status_line: Optional[StatusLine] = None
@@ -195,11 +196,23 @@ class Island:
             reconnect=lambda peers: reconnect_peers(self.dht, peers), initial=peers_by_id(self.peers),
             chores=[self.clock_probe.tick] + ([lambda: self.admission.tick(self.dht, config.progress.ttl)]
                                               if self.admission else []),
-            # learn which islands the swarm caught sending garbage (a restart forgets)
-            on_records=lambda others: self.quarantine.adopt(
-                [(r.island, r.flagged) for r in others if r.fingerprint == self.fingerprint], self.clock.now()))
+            on_records=self._on_records)
         self.reporter.start()
         teardown(self.reporter.stop, "stopping the reporter")
+
+    def _on_records(self, others: list[IslandProgress]) -> None:
+        """After each read of the others' records: learn which islands the swarm caught sending
+        garbage (a restart forgets), and tell a client when no full member is left to meet."""
+        ours = [r for r in others if r.fingerprint == self.fingerprint]
+        self.quarantine.adopt([(r.island, r.flagged) for r in ours], self.clock.now())
+        if self.client_mode:
+            full = any(r.reachability not in ("nat", "client") for r in ours)
+            if not full and not self._no_full_member:
+                logger.warning("no full member is live (the other islands, if any, are clients too): this "
+                               "island's rounds fall back to its own update until a public island joins")
+            elif full and self._no_full_member:
+                logger.info("a full member is live again: rounds can form")
+            self._no_full_member = not full
 
     def _train(self, others: list[IslandProgress]) -> str:
         """Load the global state (a checkpoint, or live peers), start the rounds and train; returns

@@ -25,7 +25,8 @@ class Reporter:
     :param on_failure: called once when ``health`` reports a problem
     :param reconnect: takes {peer id: multiaddrs} of peers to dial again and returns a future (or
         None); called every ``heal_every`` seconds for islands this one knew but no longer sees, and
-        for the initial peers while it sees nobody (see :func:`reconnect_peers`)
+        for the initial peers while it sees nobody and every ``initial_every`` seconds anyway (see
+        :func:`reconnect_peers`)
     :param initial: the initial peers, {peer id: multiaddrs}
     :param on_records: takes the other islands' records after each read
     :param chores: called after each publish (a private run's certificate and revocations)
@@ -35,18 +36,19 @@ class Reporter:
                  ttl: float, fingerprint: str, island: str, show: Callable[[list, int], None],
                  health: Callable[[], Optional[str]], on_failure: Callable[[], None],
                  reconnect: Optional[Callable[[dict], object]] = None, initial: Optional[dict] = None,
-                 heal_every: float = 5.0, forget_after: float = 600.0,
+                 heal_every: float = 5.0, forget_after: float = 600.0, initial_every: float = 30.0,
                  on_records: Optional[Callable[[list], None]] = None, chores: Sequence[Callable[[], None]] = ()):
         self.board, self.build_record, self.period, self.ttl = board, build_record, period, ttl
         self.fingerprint, self.island, self.show = fingerprint, island, show
         self.health, self.on_failure = health, on_failure
         self.reconnect, self.initial = reconnect, dict(initial or {})
-        self.heal_every, self.forget_after = heal_every, forget_after
+        self.heal_every, self.forget_after, self.initial_every = heal_every, forget_after, initial_every
         self.on_records, self.chores = on_records, list(chores)
         self.known: dict[str, tuple[list[str], float]] = {}  # peer id -> (multiaddrs, last seen)
         self._healing = None
         self._alone = False
-        self._last_heal = 0.0
+        self._last_heal = self._last_initial = 0.0
+        self._answered: Optional[int] = None
         self.others: list[IslandProgress] = []
         self.state = "loading"
         self.failure: Optional[str] = None
@@ -90,7 +92,8 @@ class Reporter:
 
     def _heal(self) -> None:
         """Dial again the islands we knew but no longer see (their records expired: dead, frozen or
-        cut off), so that a partition heals even after the bootstrap node is gone."""
+        cut off), so that a partition heals even after the bootstrap node is gone, and now and then
+        the initial peers, so that a restarted bootstrap node finds the swarm again."""
         now = time.time()
         for record in self.others:
             if record.reachability not in ("nat", "client"):  # nobody can dial an island behind NAT
@@ -105,8 +108,9 @@ class Reporter:
             except Exception as e:
                 answered = None
                 logger.info("reconnecting failed: %r", e)
-            if self._alone and answered:
+            if self._alone and answered and answered != self._answered:
                 logger.info("reconnect: %d peer(s) answered", answered)
+            self._answered = answered
             self._healing = None
         visible = {record.peer_id for record in self.others}
         if not visible and self.known and not self._alone:
@@ -114,8 +118,12 @@ class Reporter:
         self._alone = not visible
         missing = {peer: maddrs for peer, (maddrs, seen) in self.known.items()
                    if peer not in visible and now - seen < self.forget_after}
-        if not visible:
+        # the initial peers too: at once when alone, and every initial_every seconds anyway, so that a
+        # restarted bootstrap node (which forgot everyone) learns the swarm again and newcomers that
+        # join through it find it (a ping asks the pinged node to add us)
+        if not visible or now - self._last_initial >= self.initial_every:
             missing |= {peer: maddrs for peer, maddrs in self.initial.items() if peer not in missing}
+            self._last_initial = now
         self._last_heal = now
         if missing:
             logger.debug("reconnecting to %d peer(s) we no longer see", len(missing))

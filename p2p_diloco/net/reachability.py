@@ -223,8 +223,8 @@ def decide_client_mode(setting: str, initial_peers: Sequence[str], host_maddrs: 
             "address (--announce-maddrs), or set --client-mode off if you know it can be dialled",
             found.describe())
     elif found.verdict == "unknown":
-        logger.warning("could not check whether this machine can be dialled (no initial peer answered); it joins "
-                       "as a full member: set --client-mode on if it is behind NAT")
+        logger.warning("no initial peer answered the reachability check (unreachable so far, or of an older "
+                       "version); this island joins as a full member: set --client-mode on if it is behind NAT")
     else:
         logger.info("reachability: %s", found.describe())
     return found.verdict

@@ -33,7 +33,9 @@ def test_islands_that_vanished_are_dialled_again_and_the_initial_peers_when_alon
     rep = reporter(calls, initial={"Boot": ["/ip4/127.0.0.1/tcp/9/p2p/Boot"]})
     rep.others = [record("a", "A"), record("b", "B"), record("home", "H", "nat")]
     rep._heal()
-    assert calls == []  # everybody visible
+    assert list(calls[-1]) == ["Boot"]  # everybody visible: only the periodic ping of the initial peers
+    rep._heal()
+    assert len(calls) == 1  # not again before initial_every
     rep.others = [record("a", "A")]
     rep._heal()
     assert list(calls[-1]) == ["B"]  # b's record expired: dial it again (nobody can dial H, behind NAT)
@@ -61,3 +63,14 @@ def test_healing_waits_for_the_previous_attempt_and_forgets_old_peers():
     rep.known["A"] = (rep.known["A"][0], time.time() - 10 * rep.forget_after)
     rep._heal()
     assert len(calls) == 1  # A was last seen too long ago: not dialled forever
+
+
+def test_the_initial_peers_are_dialled_now_and_then_so_a_restarted_bootstrap_finds_the_swarm():
+    calls = []
+    rep = reporter(calls, initial={"Boot": ["/ip4/127.0.0.1/tcp/9/p2p/Boot"]})
+    rep.others = [record("a", "A")]
+    rep._heal()
+    assert list(calls[-1]) == ["Boot"]
+    rep._last_initial -= rep.initial_every  # initial_every seconds later
+    rep._heal()
+    assert len(calls) == 2 and list(calls[-1]) == ["Boot"]
