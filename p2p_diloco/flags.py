@@ -8,6 +8,7 @@ from flags in a launcher's own process (:func:`parse_flags`). Errors are
 from __future__ import annotations
 
 import argparse
+import re
 import types
 import typing
 from pathlib import Path
@@ -53,7 +54,9 @@ def add_config_arguments(parser: argparse.ArgumentParser, model: type[BaseModel]
         path = prefix + (name,)
         annotation = _unwrap_optional(field.annotation)
         if isinstance(annotation, type) and issubclass(annotation, BaseModel):
-            group = parser.add_argument_group(f"[{name}] {annotation.__doc__.splitlines()[0]}")
+            # the docstring's first sentence (argparse appends a colon)
+            title = re.split(r"\.\s+(?=[A-Z])", " ".join(annotation.__doc__.split()))[0].rstrip(".")
+            group = parser.add_argument_group(f"[{name}] {title}")
             add_config_arguments(group, annotation, path)
             continue
         extra = field.json_schema_extra if isinstance(field.json_schema_extra, dict) else {}
