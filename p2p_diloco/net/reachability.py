@@ -203,8 +203,8 @@ def decide_client_mode(setting: str, initial_peers: Sequence[str], host_maddrs: 
                        announce_maddrs: Sequence[str] = ()) -> str:
     """This island's reachability from ``--client-mode`` (``auto``, ``on``, ``off``), logged once.
 
-    :returns: ``client`` (on), ``public`` (off, dialled back, or all initial peers on this
-        machine's loopback), ``nat`` (nobody could dial it back: a client-mode member) or ``unknown``
+    :returns: ``client`` (on), ``public`` (off, dialled back, no initial peers (the swarm's first
+        island), or all initial peers on this machine's loopback), ``nat`` (nobody could dial it back: a client-mode member) or ``unknown``
         (nobody answered: a full member, as before)
     """
     if setting == "on":
@@ -212,8 +212,8 @@ def decide_client_mode(setting: str, initial_peers: Sequence[str], host_maddrs: 
         return "client"
     if setting == "off":
         return "public"
-    if initial_peers and all(_is_loopback(_host_of(peer)) for peer in initial_peers):
-        return "public"  # peers on this machine can always dial it back
+    if not initial_peers or all(_is_loopback(_host_of(peer)) for peer in initial_peers):
+        return "public"  # the swarm's first island (others join through it), or peers on this machine
     found = check_reachability(initial_peers, host_maddrs, announce_maddrs)
     if found.verdict == "nat":
         logger.warning(

@@ -38,6 +38,7 @@ def test_client_mode_on_and_off_skip_the_check(monkeypatch):
     assert reachability.decide_client_mode("off", ["/ip4/1.2.3.4/tcp/1/p2p/Qm"], []) == "public"
     # peers on this machine can always dial it
     assert reachability.decide_client_mode("auto", ["/ip4/127.0.0.1/tcp/1/p2p/Qm"], []) == "public"
+    assert reachability.decide_client_mode("auto", [], []) == "public"  # the first island: others join through it
 
 
 def test_no_initial_peer_means_nobody_to_ask():
