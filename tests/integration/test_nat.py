@@ -41,9 +41,9 @@ def test_islands_behind_two_nat_routers_share_the_public_islands_rounds(tmp_path
     try:
         swarm.start_bootstrap()
         # the clients join a training swarm: they download its state from the public island
-        swarm.start_island("public", *TIMING, host=lab.address(0), prefix=lab.prefix(0))
+        swarm.start_island("public", *TIMING, "--max-steps", "1000", host=lab.address(0), prefix=lab.prefix(0))
         wait_for(lambda: events_of(paths["public"], "step"), 90, message="the public island's first step")
-        for i, name in enumerate(names[1:], start=1):  # (a bound; the test stops them after their rounds)
+        for i, name in enumerate(names[1:], start=1):  # (steps are a bound: the test stops them after rounds)
             swarm.start_island(name, *TIMING, "--max-steps", "1000", host=lab.address(i), prefix=lab.prefix(i))
         wait_for(lambda: shared_ok_rounds() >= 2, 120, message="rounds of all three islands")
         islands = {r["island"]: r for r in status_json(swarm.initial_peers, RUN)["islands"]}
