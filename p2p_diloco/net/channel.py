@@ -140,7 +140,8 @@ class HivemindChannel:
             # expires before its own declared expiration (hivemind's BAD_EXPIRATION_TIME): a leader that
             # started late, or whose clock estimate puts the slot a few ms later than ours, would refuse
             # us, and no other leader can take us. Offer the latest moment we still wait for instead.
-            scheduled_time = max(scheduled_time, deadline)
+            # (a hair before it: hivemind asserts that the scheduled time comes before the step's deadline)
+            scheduled_time = max(scheduled_time, deadline - 0.05)
         control = None
         try:
             control = self.averager.step(gather=gather | self._certificate, weight=weight, scheduled_time=scheduled_time,

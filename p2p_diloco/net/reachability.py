@@ -27,6 +27,8 @@ import logging
 from dataclasses import dataclass, field
 from typing import Optional, Sequence
 
+from p2p_diloco.net.dht import peers_by_id
+
 logger = logging.getLogger(__name__)
 
 HANDLER = "p2p_diloco.DialBack"
@@ -35,7 +37,10 @@ MAX_REQUEST_BYTES = 256
 HELPERS = 3  # initial peers asked
 DIAL_TIMEOUT = 3.0  # seconds a helper waits for a TCP connection back (a firewall that drops is silent)
 
+MAX_WAITING = 16  # requests a helper holds at once (beyond: refused at once, the requester asks others)
+
 _checks: Optional[asyncio.Semaphore] = None  # in the helper's DHT process: checks running at once
+_waiting = 0  # in the helper's DHT process: requests being answered or queued
 
 
 @dataclass
@@ -102,16 +107,24 @@ def ports_of(maddrs: Sequence) -> list[int]:
 
 
 async def _answer(stream_info, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-    """In a helper's DHT process: dial the requester back at the address its stream came from."""
-    global _checks
+    """In a helper's DHT process: dial the requester back at the address its stream came from.
+    Bounded: at most :data:`MAX_WAITING` requests held, 4 checks at a time, each waiting at most
+    :data:`DIAL_TIMEOUT` for a free slot; a busy helper does not answer (the requester counts no vote),
+    and one with nothing to dial answers ``reached: null``."""
+    global _checks, _waiting
     _checks = _checks or asyncio.Semaphore(4)
+    _waiting += 1
     try:
+        if _waiting > MAX_WAITING:
+            return
         host = _host_of(stream_info.addr)
         request = json.loads(await asyncio.wait_for(reader.read(MAX_REQUEST_BYTES), DIAL_TIMEOUT) or b"{}")
         ports = ports_of(f"/tcp/{int(p)}" for p in request.get("ports", [])[:MAX_PORTS])
-        reached = False
+        reached = None  # no direct address or no port to dial: no verdict
         if host is not None and ports:
-            async with _checks:
+            await asyncio.wait_for(_checks.acquire(), DIAL_TIMEOUT)
+            try:
+                reached = False
                 for port in ports:
                     try:
                         _, dialled = await asyncio.wait_for(asyncio.open_connection(host, port), DIAL_TIMEOUT)
@@ -120,12 +133,15 @@ async def _answer(stream_info, reader: asyncio.StreamReader, writer: asyncio.Str
                         break
                     except (OSError, asyncio.TimeoutError):
                         continue
-        reply = {"reached": reached if host is not None else None, "observed": host or ""}
+            finally:
+                _checks.release()
+        reply = {"reached": reached, "observed": host or ""}
         writer.write(json.dumps(reply).encode())
         await writer.drain()
-    except Exception as e:  # a malformed or vanished request: nothing to answer
+    except Exception as e:  # a malformed or vanished request, or a busy helper: nothing to answer
         logger.debug("dial-back request failed: %r", e)
     finally:
+        _waiting -= 1
         writer.close()
 
 
@@ -161,18 +177,26 @@ async def _ask(p2p, peer_id, ports: list[int], timeout: float) -> Optional[tuple
     return None
 
 
+def helpers_of(initial_peers: Sequence[str]) -> list[str]:
+    """The peer ids of up to :data:`HELPERS` initial peers to ask. Peers on this machine's loopback
+    are left out when there are others: they always reach us, whatever the rest of the world can."""
+    by_id = peers_by_id(initial_peers)
+    remote = [peer for peer, maddrs in by_id.items() if not all(_is_loopback(_host_of(m)) for m in maddrs)]
+    return (remote or list(by_id))[:HELPERS]
+
+
 async def _check(initial_peers: Sequence[str], host_maddrs: Sequence[str], announce_maddrs: Sequence[str],
                  timeout: float) -> Reachability:
     from hivemind.p2p import P2P, PeerID
-
-    from p2p_diloco.net.dht import peers_by_id
 
     p2p = await P2P.create(initial_peers=list(initial_peers), host_maddrs=list(host_maddrs),
                            announce_maddrs=list(announce_maddrs) or None, use_relay=False, auto_nat=False,
                            nat_port_map=False, startup_timeout=timeout)
     try:
         ports = ports_of(await p2p.get_visible_maddrs())
-        helpers = [PeerID.from_base58(peer) for peer in list(peers_by_id(initial_peers))[:HELPERS]]
+        if not ports:  # nothing a helper could dial (no TCP address): no verdict
+            return Reachability("unknown")
+        helpers = [PeerID.from_base58(peer) for peer in helpers_of(initial_peers)]
         replies = await asyncio.gather(*(_ask(p2p, peer, ports, timeout) for peer in helpers))
     finally:
         await p2p.shutdown()
@@ -187,8 +211,9 @@ def check_reachability(initial_peers: Sequence[str], host_maddrs: Sequence[str],
     listens on (``host_maddrs``: where the DHT will listen; port 0 checks a fresh port) or announces
     (``announce_maddrs``: a port forwarded to it).
 
-    Takes about a second (a p2pd start), up to ``timeout + 12`` seconds when helpers are silent.
-    Never raises: a failure to ask anyone is the verdict ``unknown``.
+    Takes about a second (a p2pd start); at most about ``2 * timeout + 22`` seconds (the p2pd start,
+    opening the streams, the helpers' dial-backs) when helpers are slow or silent. Never raises: a
+    failure to ask anyone is the verdict ``unknown``.
     """
     if not initial_peers:
         return Reachability("unknown")

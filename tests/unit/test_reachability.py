@@ -43,3 +43,11 @@ def test_client_mode_on_and_off_skip_the_check(monkeypatch):
 
 def test_no_initial_peer_means_nobody_to_ask():
     assert reachability.check_reachability([], ["/ip4/127.0.0.1/tcp/0"]).verdict == "unknown"
+
+
+def test_helpers_on_this_machine_are_not_asked_when_others_can_be():
+    local, remote = "/ip4/127.0.0.1/tcp/1/p2p/QmLocal", "/ip4/1.2.3.4/tcp/1/p2p/QmRemote"
+    assert reachability.helpers_of([local, remote]) == ["QmRemote"]  # the local one always reaches us
+    assert reachability.helpers_of([local]) == ["QmLocal"]
+    many = [f"/ip4/1.2.3.{i}/tcp/1/p2p/Qm{i}" for i in range(6)]
+    assert reachability.helpers_of(many) == ["Qm0", "Qm1", "Qm2"]
