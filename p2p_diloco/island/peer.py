@@ -38,7 +38,7 @@ from p2p_diloco.net.clock import ClockProbe
 from p2p_diloco.net.gate import Admission, dht_refusals
 from p2p_diloco.net.dht import peers_by_id, reconnect_peers, start_dht, visible_maddrs
 from p2p_diloco.net.reachability import decide_client_mode, serve_dial_back
-from p2p_diloco.net.records import IslandProgress, ProgressBoard, make_validators
+from p2p_diloco.net.records import IslandProgress, ProgressBoard, is_client, make_validators
 from p2p_diloco.procs import StopSignal
 
 if TYPE_CHECKING:
@@ -206,7 +206,7 @@ class Island:
         ours = [r for r in others if r.fingerprint == self.fingerprint]
         self.quarantine.adopt([(r.island, r.flagged) for r in ours], self.clock.now())
         if self.client_mode:
-            full = any(r.reachability not in ("nat", "client") for r in ours)
+            full = any(not is_client(r.reachability) for r in ours)
             if not full and not self._no_full_member:
                 logger.warning("no full member is live (the other islands, if any, are clients too): this "
                                "island's rounds fall back to its own update until a public island joins")
@@ -226,7 +226,7 @@ class Island:
             else:
                 # clients (behind NAT) serve no state: only full members can be donors
                 donors = [r for r in others if r.state == "training" and r.fingerprint == self.fingerprint
-                          and r.reachability not in ("nat", "client")]
+                          and not is_client(r.reachability)]
                 joining.join_from_peers(donors,
                                         transfer=self.transfer, store=self.store, learner=self.learner,
                                         events=self.events, timeout=config.join_timeout, stop=self.stop.event)
@@ -290,7 +290,7 @@ class Island:
     def client_mode(self) -> bool:
         """True when this island takes part in rounds as a client: it sends its parts and receives the
         averages, reduces nothing and serves no state (docs/DESIGN.md, "Islands behind NAT")."""
-        return self.reachability in ("nat", "client")
+        return is_client(self.reachability)
 
     def refused_peers(self) -> list[str]:
         """Peers this island refused (a private run): at its DHT and at its averagers."""

@@ -10,7 +10,7 @@ import threading
 import time
 from typing import Callable, Optional, Sequence
 
-from p2p_diloco.net.records import IslandProgress, ProgressBoard
+from p2p_diloco.net.records import IslandProgress, ProgressBoard, is_client
 
 logger = logging.getLogger(__name__)
 
@@ -96,7 +96,7 @@ class Reporter:
         the initial peers, so that a restarted bootstrap node finds the swarm again."""
         now = time.time()
         for record in self.others:
-            if record.reachability not in ("nat", "client"):  # nobody can dial an island behind NAT
+            if not is_client(record.reachability):  # nobody can dial an island behind NAT
                 self.known[record.peer_id] = (list(record.maddrs), now)
         if self.reconnect is None or now - self._last_heal < self.heal_every:
             return

@@ -109,8 +109,7 @@ class Lab:
 
     def _add_island(self, i: int) -> None:
         ns, veth = f"p2pd-{self.tag}-{i}", f"pd{self.tag}v{i}"
-        # on the bridge: the island itself, or its NAT router
-        public = f"p2pd-{self.tag}-r{i}" if i in self.nat else ns
+        public = self._on_bridge(i)
         _run("ip", "netns", "add", public)
         (self.routers if i in self.nat else self.namespaces).append(public)
         _run("ip", "link", "add", veth, "type", "veth", "peer", "name", "eth0", "netns", public)
@@ -136,6 +135,10 @@ class Lab:
              "ESTABLISHED,RELATED", "-j", "ACCEPT")
         _run(*inside, "iptables", "-A", "FORWARD", "-i", "eth0", "-j", "DROP")
 
+    def _on_bridge(self, i: int) -> str:
+        """The namespace at island i's end of the bridge: the island itself, or its NAT router."""
+        return f"p2pd-{self.tag}-r{i}" if i in self.nat else f"p2pd-{self.tag}-{i}"
+
     @staticmethod
     def _up(ns: str, dev: str, cidr: str) -> None:
         _run("ip", "-n", ns, "addr", "add", cidr, "dev", dev)
@@ -157,8 +160,7 @@ class Lab:
     def _ends(self, i: int) -> list[tuple[list[str], str]]:
         """Island i's link to the bridge as (command prefix, device) for its bridge end and its other
         end (the island's namespace, or its router's)."""
-        public = f"p2pd-{self.tag}-r{i}" if i in self.nat else self.namespaces[i]
-        return [([], self.veths[i]), (["ip", "netns", "exec", public], "eth0")]
+        return [([], self.veths[i]), (["ip", "netns", "exec", self._on_bridge(i)], "eth0")]
 
     def cut(self, i: int) -> None:
         """Disconnect island i (its bridge end goes down; packets are dropped both ways)."""

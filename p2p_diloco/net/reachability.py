@@ -72,16 +72,24 @@ def verdict_of(answers: dict[str, bool]) -> str:
     return "public" if 2 * sum(answers.values()) > len(answers) else "nat"
 
 
+def _protocols(maddr) -> dict[str, str]:
+    """{protocol name: value} of a multiaddr's transport part, before ``/p2p/<peer id>`` (hivemind's
+    parser; empty if malformed)."""
+    from hivemind.utils.multiaddr import Multiaddr
+
+    try:
+        parsed = Multiaddr(str(maddr).partition("/p2p/")[0])
+        return {proto.name: parsed.value_for_protocol(proto.code) for proto in parsed.protocols()}
+    except Exception:
+        return {}
+
+
 def _host_of(maddr) -> Optional[str]:
     """The IPv4/IPv6 address of a direct multiaddr (None for a relayed or a DNS one)."""
-    text = str(maddr)
-    if "/p2p-circuit" in text:
+    if "/p2p-circuit" in str(maddr):
         return None
-    parts = text.split("/")
-    for proto in ("ip4", "ip6"):
-        if proto in parts and parts.index(proto) + 1 < len(parts):
-            return parts[parts.index(proto) + 1]
-    return None
+    protocols = _protocols(maddr)
+    return protocols.get("ip4") or protocols.get("ip6")
 
 
 def _is_loopback(host: Optional[str]) -> bool:
@@ -91,19 +99,18 @@ def _is_loopback(host: Optional[str]) -> bool:
         return False
 
 
+def _valid_ports(values) -> list[int]:
+    """Distinct TCP ports in 1..65535 among ``values``, at most :data:`MAX_PORTS`."""
+    ports: list[int] = []
+    for value in values:
+        if isinstance(value, (int, str)) and str(value).isdigit() and 0 < int(value) < 65536 and int(value) not in ports:
+            ports.append(int(value))
+    return ports[:MAX_PORTS]
+
+
 def ports_of(maddrs: Sequence) -> list[int]:
     """The TCP ports in ``maddrs`` (at most :data:`MAX_PORTS`, no duplicates, no zeros)."""
-    ports: list[int] = []
-    for maddr in maddrs:
-        parts = str(maddr).split("/")
-        if "tcp" in parts and parts.index("tcp") + 1 < len(parts):
-            try:
-                port = int(parts[parts.index("tcp") + 1])
-            except ValueError:
-                continue
-            if 0 < port < 65536 and port not in ports:
-                ports.append(port)
-    return ports[:MAX_PORTS]
+    return _valid_ports(_protocols(maddr).get("tcp") for maddr in maddrs)
 
 
 async def _answer(stream_info, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
@@ -119,7 +126,7 @@ async def _answer(stream_info, reader: asyncio.StreamReader, writer: asyncio.Str
             return
         host = _host_of(stream_info.addr)
         request = json.loads(await asyncio.wait_for(reader.read(MAX_REQUEST_BYTES), DIAL_TIMEOUT) or b"{}")
-        ports = ports_of(f"/tcp/{int(p)}" for p in request.get("ports", [])[:MAX_PORTS])
+        ports = _valid_ports(request.get("ports", [])[:MAX_PORTS])
         reached = None  # no direct address or no port to dial: no verdict
         if host is not None and ports:
             await asyncio.wait_for(_checks.acquire(), DIAL_TIMEOUT)

@@ -55,6 +55,12 @@ class IslandProgress(BaseModel):
     time: StrictFloat  # wall-clock time of this record
 
 
+def is_client(reachability: Optional[str]) -> bool:
+    """True for an island that takes part in rounds as a client (behind NAT, or ``--client-mode on``):
+    nobody can dial it, it reduces nothing and serves no state (docs/DESIGN.md, "Islands behind NAT")."""
+    return reachability in ("nat", "client")
+
+
 class ProgressSchema(BaseModel):
     """The DHT value under ``{run_id}_progress``: one signed record per island public key."""
 
@@ -157,7 +163,7 @@ def island_metrics(record: Mapping) -> dict[str, float]:
     ``client_mode`` is 1 for a member that reduces nothing (behind NAT), else 0. Metrics without a finite
     value (no eval yet; a NaN from a faulty peer) are left out."""
     values = {name: record.get(name) for name in METRICS}
-    values["client_mode"] = float(record.get("reachability") in ("nat", "client"))
+    values["client_mode"] = float(is_client(record.get("reachability")))
     values["bytes_per_token"] = record["bytes_sent"] / record["tokens"] if record.get("tokens") else None
     values = {name: finite_or_none(value) for name, value in values.items()}
     return {name: float(value) for name, value in values.items() if value is not None}
