@@ -47,6 +47,12 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 
+def averager_prefix(run_id: str, fingerprint: str, fragment: int, num_fragments: int) -> str:
+    """The name of fragment ``fragment``'s averager (its DHT keys and RPC namespace): islands of
+    another run or fingerprint never meet ours."""
+    return f"{run_id}_{fingerprint[:12]}_f{fragment}of{num_fragments}"
+
+
 @dataclass(eq=False)
 class Island:
     """One island of a run. Built by :class:`IslandBuilder` (the parts up to ``checkpointer``);
@@ -172,8 +178,7 @@ class Island:
                 self.channels.append(self.builder.channel(
                     self.dht, shapes=shapes, codec=outer.codec, ceilings=fmt.ceilings,
                     state_provider=lambda p=p: self.transfer.donate(p), allreduce_timeout=outer.allreduce_timeout,
-                    # islands of another fingerprint never meet ours
-                    prefix=f"{config.run_id}_{self.fingerprint[:12]}_f{p}of{layout.num_fragments}",
+                    prefix=averager_prefix(config.run_id, self.fingerprint, p, layout.num_fragments),
                     quorum=outer.quorum, matchmaking_time=outer.matchmaking_time / 2,
                     request_timeout=outer.request_timeout, admission=self.admission))
         finally:

@@ -107,6 +107,7 @@ class LocalSwarm:
         self.dashboard_url = ""
         self.dashboard: Optional[Managed] = None
         self.islands: dict[str, Managed] = {}
+        self.others: dict[str, Managed] = {}  # the lab's own processes (e.g. rogue peers)
 
     def _spawn(self, name: str, args: Sequence[str], *, stdout=None, prefix: Sequence[str] = (),
                module: str = "p2p_diloco") -> Managed:
@@ -165,6 +166,12 @@ class LocalSwarm:
         self.islands[name] = island
         return island
 
+    def start_process(self, name: str, module: str, *args: str) -> Managed:
+        """Start ``python -m module args`` (a lab process, e.g. :mod:`p2p_diloco.lab.rogues`), stopped
+        first by :meth:`close`; it logs to ``<name>.log``."""
+        self.others[name] = self._spawn(name, args, module=module)
+        return self.others[name]
+
     def island_config(self, name: str, *extra: str, initial_peers: Optional[Sequence[str]] = None,
                       host: Optional[str] = None) -> LabPeerConfig:
         """The validated configuration :meth:`start_island` starts ``name`` with."""
@@ -190,7 +197,7 @@ class LocalSwarm:
             managed.remember_tree()
 
     def all(self) -> list[Managed]:
-        return list(self.islands.values()) + [m for m in (self.dashboard, self.bootstrap) if m is not None]
+        return [*self.others.values(), *self.islands.values(), *(m for m in (self.dashboard, self.bootstrap) if m is not None)]
 
     def wait_islands(self, timeout: float) -> dict[str, Optional[int]]:
         """Wait for every island to exit on its own; returns exit codes (None: still running)."""
@@ -207,6 +214,9 @@ class LocalSwarm:
         force-killed."""
         self.remember_trees()
         leftovers = []
+        for managed in self.others.values():
+            managed.stop(timeout)
+            leftovers += managed.reap_leftovers()
         for island in self.islands.values():
             if island.alive():
                 island.popen.send_signal(signal.SIGTERM)

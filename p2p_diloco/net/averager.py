@@ -83,6 +83,13 @@ async def _put_on_shared_grid(averager, group_info) -> torch.Tensor:
             None, grid.put_on_grid_, tensors, reports, averager._levels, averager._ceilings)
 
 
+def averager_stub(p2p, peer, prefix: str):
+    """A client of the RPCs (``rpc_join_group``, ``rpc_aggregate_part``, ``rpc_download_state``) of
+    peer ``peer``'s averager of ``prefix`` over a ``hivemind.P2P`` (hivemind names the handlers after
+    the averager's class)."""
+    return _fragment_averager_class().get_stub(p2p, peer, namespace=prefix)
+
+
 class _FailureRecorder:
     """Wraps one all-reduce's ``register_failed_reducer`` (hivemind keeps the member's own values for
     the parts of a reducer that failed) to mark those elements, in the flattened order of the

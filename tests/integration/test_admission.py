@@ -20,7 +20,8 @@ from p2p_diloco.errors import NetworkError
 from p2p_diloco.net import admission as adm
 from p2p_diloco.net.channel import HivemindChannel
 from p2p_diloco.net.dht import ensure_identity, start_dht, visible_maddrs
-from p2p_diloco.net.gate import Admission, RunAuthorizer, publish_certificate
+from p2p_diloco.lab.rogues import RogueAuthorizer
+from p2p_diloco.net.gate import Admission, publish_certificate
 
 pytestmark = pytest.mark.integration
 RUN = "private"
@@ -49,16 +50,6 @@ class Authority:
 
     def admission(self, name: str, cert: adm.Certificate | None = None, identity: str = "") -> Admission:
         return Admission(self.verifier(), cert or self.certificate(name), identity or self.identity(name), RUN)
-
-
-class RogueAuthorizer(RunAuthorizer):
-    """A malicious peer's authorizer: it sends whatever certificate it has (hivemind's own check of
-    the local token would stop an honest peer with a bad one from sending anything)."""
-
-    def is_token_valid(self, access_token) -> bool:
-        if access_token.username == self.certificate.to_bytes().decode():
-            return True
-        return super().is_token_valid(access_token)
 
 
 def _dht(admission: Admission | None, peers=(), identity: str = "", rogue: bool = False, **kwargs):
@@ -193,30 +184,31 @@ def test_averagers_admit_members_and_refuse_a_rogue_that_calls_them_directly(tmp
         MPFuture.reset_backend()
 
 
-def test_a_private_swarm_refuses_strangers_and_drops_a_revoked_island_within_a_record_ttl(tmp_path):
+def test_a_private_swarm_refuses_rogues_and_drops_a_revoked_island_within_a_record_ttl(tmp_path):
     """Processes as users start them: a bootstrap node that publishes the revocation list, three
-    admitted islands, an admitted observer and a stranger without a certificate; then the operator
-    revokes island-2's certificate mid-run."""
+    admitted islands, an admitted observer and a stranger without a certificate; rogue peers (no
+    certificate, a forged, an expired, a stolen and a revoked one) knock on every door, the DHT and
+    an island's averagers, while the swarm forms; then the operator revokes island-2's certificate."""
     from p2p_diloco.lab.localswarm import LocalSwarm
+    from p2p_diloco.lab.rogues import DOORS, KINDS, PrivateRun, targets_of
     from tests.integration.helpers import FAST, assert_clean_error, cli, events_of, status_json, wait_for
 
-    authority = Authority(tmp_path / "keys")
-    pub = str(tmp_path / "keys" / "authority.pub")
-    revocations = tmp_path / "revoked.json"
-    revocations.write_bytes(adm.revoke(authority.key, None, []).to_bytes())
-
-    def credentials(name: str, role: str = "island") -> list[str]:
-        cert = tmp_path / f"{name}.cert"
-        cert.write_bytes(authority.certificate(name, role).to_bytes())
-        return ["--identity-path", authority.identity(name), "--authority-public-key", pub, "--certificate", str(cert)]
-
+    run = PrivateRun(tmp_path / "keys", RUN)
+    names = ["island-0", "island-1", "island-2"]
+    flags = {name: run.flags(name) for name in names}
+    rogues = run.arm_rogues(victim="island-0")  # the "stolen" rogue holds island-0's certificate
     swarm = LocalSwarm(tmp_path / "swarm", run_id=RUN)
     try:
-        swarm.start_bootstrap(*credentials("boot", "bootstrap"), "--revocations", str(revocations),
+        swarm.start_bootstrap(*run.flags("boot", "bootstrap"), "--revocations", str(run.revocations_path),
                               "--dashboard-port", "0")
-        names = ["island-0", "island-1", "island-2"]
         for name in names:
-            swarm.start_island(name, *FAST, "--max-steps", "2000", *credentials(name))
+            swarm.start_island(name, *FAST, "--max-steps", "2000", *flags[name])
+        # island-1's averagers (the "stolen" rogue poses as island-0 there; the bench attacks every island)
+        start = wait_for(lambda: events_of(swarm.events_path("island-1"), "start"), 120, message="island-1's start")
+        report_path = tmp_path / "rogues.json"
+        attack = swarm.start_process("rogues", "p2p_diloco.lab.rogues", "--dir", str(rogues), "--initial-peers",
+                                     *swarm.initial_peers, "--target", *targets_of(start[0], RUN, 2),
+                                     "--attacks", "1", "--out", str(report_path))
 
         def live():  # the islands the bootstrap node's dashboard sees (it reads the DHT as an admitted peer)
             with urllib.request.urlopen(swarm.dashboard_url + "api/status", timeout=10) as response:
@@ -233,28 +225,32 @@ def test_a_private_swarm_refuses_strangers_and_drops_a_revoked_island_within_a_r
         done = cli("status", "--initial-peers", *swarm.initial_peers, "--run-id", RUN, "--join-timeout", "3")
         assert_clean_error(done, 3, "could not reach any initial peer")
 
-        _admin_revoke(authority, tmp_path / "island-2.cert", revocations)
+        run.revoke([adm.load_certificate(str(run.certificate_path("island-2"))).serial])
         revoked_at = time.time()
         wait_for(lambda: "island-2" not in live()[0], 30, interval=0.5, message="island-2 gone after its revocation")
         gone_after = time.time() - revoked_at
         settled = time.time() + 6  # the averagers' gates read the list every few seconds
 
-        def rounds_after(island):
-            return [e for e in events_of(swarm.events_path(island), "round") if e["t_start"] > settled]
+        def rounds_after(island, since):
+            return [e for e in events_of(swarm.events_path(island), "round") if e["t_start"] > since]
 
-        wait_for(lambda: sum(e["outcome"] == "ok" for e in rounds_after("island-0")) >= 2, 60,
+        wait_for(lambda: sum(e["outcome"] == "ok" for e in rounds_after("island-0", settled)) >= 2, 60,
                  message="island-0's rounds after the revocation")
+        assert attack.popen.wait(120) == 0
+        report = json.loads(report_path.read_text())
+        assert report["breaches"] == 0 and report["refused"] == report["attempts"], report
+        assert all(report["by_kind"][kind][door]["refused"] >= 1 for kind in KINDS for door in DOORS), report
         for island in ("island-0", "island-1"):
-            assert all("island-2" not in e.get("members", []) for e in rounds_after(island))
-        refused = live()[1]["refused"]
-        assert refused >= 1  # island-2, refused by the others
-        assert {r["island"] for r in status_json(swarm.initial_peers, RUN, *credentials("watcher", "observer"))[
+            assert all("island-2" not in e.get("members", []) for e in rounds_after(island, settled))
+            rounds = rounds_after(island, 0)  # no rogue, not even one that claims island-0's name
+            assert all(set(e["members"]) <= set(names) and len(set(e["members"])) == e["group_size"]
+                       for e in rounds if "members" in e), rounds
+        status = live()
+        refused = status[1]["refused"]
+        assert status[0] == {"island-0", "island-1"} and refused >= 1  # island-2 and the rogues that reached one
+        assert {r["island"] for r in status_json(swarm.initial_peers, RUN, *run.flags("watcher", "observer"))[
             "islands"]} == {"island-0", "island-1"}  # an admitted observer
-        print(f"island-2 left the records {gone_after:.1f} s after its revocation; {refused} peer(s) refused")
+        print(f"island-2 left the records {gone_after:.1f} s after its revocation; {refused} peer(s) refused; "
+              f"rogues: {report['attempts']} attempts in {report['seconds']} s, all refused")
     finally:
         swarm.close()
-
-
-def _admin_revoke(authority, cert_path, revocations):
-    current = adm.Revocations.from_bytes(revocations.read_bytes())
-    revocations.write_bytes(adm.revoke(authority.key, current, [adm.load_certificate(str(cert_path)).serial]).to_bytes())

@@ -1,17 +1,15 @@
-"""A lone island, islands of different speeds, and the bootstrap node's identity and shutdown."""
+"""A lone island, islands of different speeds, and an island whose helper process dies."""
 
 from __future__ import annotations
 
 import os
 import signal
-import socket
-import stat
 import statistics
 
 import pytest
 
 from p2p_diloco.lab.localswarm import LocalSwarm
-from p2p_diloco.procs import children, pid_alive
+from p2p_diloco.procs import children
 from tests.integration.helpers import FAST, events_of, rounds_by_slot, wait_for
 
 pytestmark = pytest.mark.integration
@@ -82,38 +80,6 @@ def test_islands_of_2x_speeds_meet_in_the_same_rounds_with_rda_and_int4(tmp_path
                                                            rel=0.01)
         log = (swarm.workdir / f"{name}.log").read_text()
         assert "bandwidth:" in log and "fewer" in log and "terminate called" not in log  # a clean end
-
-
-def test_a_restarted_bootstrap_keeps_its_address_and_newcomers_find_the_swarm_through_it(tmp_path):
-    """A bootstrap node restarted by its service manager (same key, same port) forgot everyone; the
-    islands ping their initial peers now and then, so an island that joins through it meets them."""
-    swarm = LocalSwarm(tmp_path, run_id="boot")
-    key = tmp_path / "bootstrap.key"
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        port = probe.getsockname()[1]
-    listen = ["--host-maddrs", f"/ip4/127.0.0.1/tcp/{port}", "--summary-period", "1"]
-    try:
-        first = swarm.start_bootstrap(*listen)
-        assert stat.S_IMODE(os.stat(key).st_mode) == 0o600
-        wait_for(lambda: "swarm: 0 peers connected; run boot: 0 islands" in swarm.bootstrap.log_path.read_text(),
-                 timeout=30, message="the bootstrap's periodic swarm summary")
-        for name in ("a", "b"):  # (bounds: the test stops them)
-            swarm.start_island(name, *FAST, "--max-steps", "2000")
-        wait_for(lambda: any(len(e.get("members", [])) == 2 for e in events_of(swarm.events_path("a"), "round")),
-                 timeout=120, message="a round of a and b")
-        swarm.bootstrap.remember_tree()
-        tree = list(swarm.bootstrap.tree)
-        assert tree, "the DHT process and p2pd run under the bootstrap node"
-        assert swarm.bootstrap.stop(timeout=20) == 0
-        assert not any(pid_alive(pid) for pid in tree)
-        assert swarm.start_bootstrap(*listen) == first  # same identity file and port: same address
-        swarm.start_island("c", *FAST, "--max-steps", "2000")
-        wait_for(lambda: any(len(e.get("members", [])) == 3 for e in events_of(swarm.events_path("c"), "round")),
-                 timeout=120, message="a round of the newcomer with a and b")
-        assert [swarm.islands[name].stop() for name in "abc"] == [0, 0, 0]
-    finally:
-        swarm.close()
 
 
 def test_an_island_whose_helper_process_dies_stops_with_an_error(tmp_path):

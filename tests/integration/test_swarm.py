@@ -1,13 +1,17 @@
-"""A bootstrap node and three islands started together on 127.0.0.1, a late joiner that is then
-SIGKILLed, and an island of another fingerprint refused.
+"""A bootstrap node and three islands started together on 127.0.0.1, an island of another
+fingerprint refused, and a late joiner that joins through the restarted bootstrap node and is then
+SIGKILLed.
 
-The tests share one swarm (module fixture) and run in any order: the three islands stay up, and the
-late joiner is its test's own.
+The tests share one swarm (module fixture) and run in any order: the three islands stay up, the
+bootstrap node keeps its address across its restart, and the late joiner is its test's own.
 """
 
 from __future__ import annotations
 
+import os
 import signal
+import socket
+import stat
 import statistics
 import time
 
@@ -25,8 +29,12 @@ ISLANDS = ["island-0", "island-1", "island-2"]
 @pytest.fixture(scope="module")
 def swarm(tmp_path_factory):
     swarm = LocalSwarm(tmp_path_factory.mktemp("swarm"), run_id="itest")
+    with socket.socket() as probe:  # a fixed port, so that a restarted bootstrap node keeps its address
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    swarm.bootstrap_flags = ["--host-maddrs", f"/ip4/127.0.0.1/tcp/{port}", "--summary-period", "1"]
     launched = time.time()
-    swarm.start_bootstrap()
+    swarm.start_bootstrap(*swarm.bootstrap_flags)
     for index, name in enumerate(ISLANDS):
         swarm.start_island(name, *FAST, "--data-shard-index", str(index))
 
@@ -86,7 +94,24 @@ def test_an_island_of_another_fingerprint_is_refused_and_touches_nothing(swarm, 
     assert all("other" not in e.get("members", []) for path in _paths(swarm).values() for e in events_of(path, "round"))
 
 
-def test_a_late_joiner_loads_the_state_contributes_then_dies_without_pausing_anyone(swarm):
+def _restart_bootstrap(swarm) -> None:
+    """Stop the bootstrap node as a service manager would and start it again (same key, same port):
+    it has forgotten everyone until the islands, which ping their initial peers now and then, find it."""
+    assert stat.S_IMODE(os.stat(swarm.workdir / "bootstrap.key").st_mode) == 0o600
+    assert "peers connected; run itest: 3 islands" in swarm.bootstrap.log_path.read_text()  # its periodic summary
+    swarm.bootstrap.remember_tree()
+    tree = list(swarm.bootstrap.tree)
+    assert tree, "the DHT process and p2pd run under the bootstrap node"
+    address = list(swarm.initial_peers)
+    assert swarm.bootstrap.stop(timeout=20) == 0
+    assert not any(pid_alive(pid) for pid in tree)
+    assert swarm.start_bootstrap(*swarm.bootstrap_flags) == address  # same identity file and port: same address
+    wait_for(lambda: "run itest: 3 islands" in swarm.bootstrap.log_path.read_text().rpartition("identity")[2],
+             timeout=60, message="the islands to find the restarted bootstrap node")
+
+
+def test_a_late_joiner_loads_the_state_through_a_restarted_bootstrap_contributes_then_dies_without_pausing_anyone(swarm):
+    _restart_bootstrap(swarm)  # the joiner knows only the bootstrap node's address
     joiner = swarm.start_island("late", *FAST, "--data-shard-index", "3")
     path = swarm.events_path("late")
 
