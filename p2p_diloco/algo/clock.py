@@ -100,10 +100,6 @@ class SwarmClock:
         """Swarm time, seconds since the epoch."""
         return self._wall() - self.offset
 
-    def to_local(self, swarm_time: float) -> float:
-        """The local wall-clock time at which the swarm's clock shows ``swarm_time``."""
-        return swarm_time + self.offset
-
 
 def matchmaking_lead(base: float, offsets: Iterable[float], tolerance: float) -> float:
     """Seconds before a slot at which an island starts matchmaking: ``base`` plus the spread of the

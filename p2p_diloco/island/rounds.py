@@ -96,8 +96,7 @@ class OuterRound:
         # past the slot, keep looking for members (up to K, hivemind's min_group_size) for the grace window
         deadline = slot.time + max(self.config.grace_window, self.config.request_timeout)
         gathered = self.channel.all_reduce(gather=gather, weight=max(mine.weight, LISTENER_WEIGHT),
-                                           scheduled_time=self.clock.to_local(slot.time),
-                                           deadline=self.clock.to_local(deadline), stop=self.stop)
+                                           scheduled_time=slot.time, deadline=deadline, stop=self.stop)
         after, seconds = self.channel.traffic(), self.clock.now() - slot.time
         figures = {"bytes_sent": after[0] - before[0], "bytes_received": after[1] - before[1],
                    "base_version": state.version, "base_hash": state.hash, "weight": mine.weight,

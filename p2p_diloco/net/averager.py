@@ -29,11 +29,17 @@ def _fragment_averager_class():
         groups go through a gate (:class:`p2p_diloco.net.gate.GatedAveragerMixin`)."""
 
         def __init__(self, *args, state_provider: Callable[[], tuple[dict, list[torch.Tensor]]], levels: int = 0,
-                     shared: Optional[dict] = None, ceilings: Optional[Sequence[int]] = None, gate=None, **kwargs):
-            self._state_provider, self._gate = state_provider, gate
+                     shared: Optional[dict] = None, ceilings: Optional[Sequence[int]] = None, gate=None,
+                     clock_offset: Optional[torch.Tensor] = None, **kwargs):
+            self._state_provider, self._gate, self._clock_offset = state_provider, gate, clock_offset
             self._levels, self._ceilings = levels, ceilings
             self._shared = shared or {}
             super().__init__(*args, **kwargs)
+
+        def run(self):  # the averager process's entry point (hivemind's mp.Process.run)
+            if self._clock_offset is not None:
+                run_on_swarm_time(self._clock_offset)
+            super().run()
 
         def get_current_state(self):
             metadata, tensors = self._state_provider()
@@ -81,6 +87,26 @@ async def _put_on_shared_grid(averager, group_info) -> torch.Tensor:
     async with enter_asynchronously(averager.get_tensors()) as tensors:
         return await asyncio.get_event_loop().run_in_executor(
             None, grid.put_on_grid_, tensors, reports, averager._levels, averager._ceilings)
+
+
+def run_on_swarm_time(offset: torch.Tensor) -> None:
+    """In an averager process only: hivemind's clock there (``get_dht_time``, this machine's wall
+    clock) becomes swarm time, this machine's wall clock minus ``offset[0]`` (float64 [1], shared
+    with the island, which keeps it current). Every expiration the averager declares, compares
+    and waits for is then on one clock across the swarm, so islands whose clocks disagree rank the
+    same leader and accept each other's join requests (docs/DESIGN.md, "Clocks").
+
+    hivemind takes the time in these modules through their own binding of ``get_dht_time``; its
+    DHT, in another process, keeps this machine's wall clock.
+    """
+    import importlib
+    import time
+
+    def swarm_time() -> float:
+        return time.time() - float(offset[0])
+
+    for name in ("averaging.averager", "averaging.control", "averaging.matchmaking", "utils.timed_storage"):
+        importlib.import_module(f"hivemind.{name}").get_dht_time = swarm_time
 
 
 def averager_stub(p2p, peer, prefix: str):
@@ -175,6 +201,7 @@ def make_fragment_averager(
     shared: Optional[dict] = None,
     ceilings: Optional[Sequence[int]] = None,
     gate=None,
+    clock_offset: Optional[torch.Tensor] = None,
     start_timeout: float = 60.0,
 ):
     """Start one fragment's averager process (hivemind ``DecentralizedAverager``).
@@ -200,6 +227,8 @@ def make_fragment_averager(
         failed, -1 if unknown)
     :param ceilings: per tensor, the largest grid exponent an honest member needs
     :param gate: a private run's :class:`p2p_diloco.net.gate.AveragerGate` (None: an open run)
+    :param clock_offset: float64 [1], shared: seconds this machine's clock is ahead of the swarm's; the
+        averager process then runs on swarm time (:func:`run_on_swarm_time`; None: the wall clock)
     :param start_timeout: seconds the averager process may take to be ready
     :returns: the started averager; end it with ``terminate()`` after the DHT is shut down
     :raises RuntimeError: if it is not ready within ``start_timeout``
@@ -226,6 +255,7 @@ def make_fragment_averager(
         shared=shared,
         ceilings=ceilings,
         gate=gate,
+        clock_offset=clock_offset,
         **({"compression": codec} if codec is not None else {}),
         shutdown_timeout=3.0,
         state_provider=state_provider,

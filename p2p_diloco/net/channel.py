@@ -53,8 +53,8 @@ class FragmentChannel(Protocol):
 
     def all_reduce(self, *, gather: dict, weight: float, scheduled_time: float, deadline: float,
                    stop) -> Optional[dict]:
-        """One round: meet the members that show up at ``scheduled_time`` (wall clock), looking for a
-        quorum until ``deadline``, and average the buffers with them (weight > 0). Returns
+        """One round: meet the members that show up at ``scheduled_time`` (swarm time, seconds since the
+        epoch), looking for a quorum until ``deadline``, and average the buffers with them (weight > 0). Returns
         {peer: gathered metadata} of the group, or None if the round failed or ``stop`` was set."""
 
     def report(self) -> RoundReport:
@@ -96,16 +96,24 @@ class HivemindChannel:
     :param state_provider: returns (metadata, tensors) served to peers that download the fragment
     :param allreduce_timeout: seconds an all-reduce may take once the group formed
     :param admission: a private run's :class:`p2p_diloco.net.gate.Admission` (None: an open run)
+    :param clock: the island's :class:`p2p_diloco.algo.clock.SwarmClock`: the averager process then runs
+        on swarm time, and :meth:`all_reduce` takes swarm times (None: this machine's wall clock)
     :param kwargs: ``prefix``, ``quorum``, ``matchmaking_time``, ``request_timeout`` of
         :func:`make_fragment_averager`
     """
 
+    clock = None
+
     def __init__(self, dht, *, shapes: Sequence[torch.Size], codec: str, ceilings: Sequence[int],
                  state_provider: Callable[[], tuple[dict, list[torch.Tensor]]], allreduce_timeout: float,
-                 admission=None, **kwargs):
+                 admission=None, clock=None, **kwargs):
         from p2p_diloco.net import codec as codecs
 
         self.allreduce_timeout = allreduce_timeout
+        self.clock = clock
+        # seconds this machine's clock is ahead of the swarm's, read by the averager process on every
+        # time it takes (docs/DESIGN.md, "Clocks")
+        self._clock_offset = torch.zeros(1, dtype=torch.float64).share_memory_()
         self.levels = grid.levels_of(codec)
         numel = sum(int(torch.Size(shape).numel()) for shape in shapes)
         # bytes sent, bytes received (counted by the codec), elements whose reducer failed (-1: unknown)
@@ -122,7 +130,7 @@ class HivemindChannel:
         self.averager = make_fragment_averager(
             [torch.zeros(shape) for shape in shapes], dht, codec=wire_codec, levels=self.levels,
             shared=self._shared, ceilings=ceilings, state_provider=state_provider,
-            allreduce_timeout=allreduce_timeout, gate=gate, **kwargs)
+            allreduce_timeout=allreduce_timeout, gate=gate, clock_offset=self._clock_offset, **kwargs)
 
     def tensors(self) -> ContextManager[list[torch.Tensor]]:
         return self.averager.get_tensors()
@@ -135,6 +143,9 @@ class HivemindChannel:
         self._shared["grid"].fill_(grid.TOP_EXPONENT)  # (a grid that carries nothing, until it tells)
         if not self.averager.is_alive():  # step() would wait forever for a dead process
             return None
+        if self.clock is not None:
+            self._clock_offset[0] = self.clock.offset
+        now = self.clock.now if self.clock is not None else time.time
         if self.averager.client_mode:
             # a client can only join a full member's group, and that leader refuses a request that
             # expires before its own declared expiration (hivemind's BAD_EXPIRATION_TIME): a leader that
@@ -144,11 +155,14 @@ class HivemindChannel:
             scheduled_time = max(scheduled_time, deadline - 0.05)
         control = None
         try:
+            # step() runs here and adds the timeout to this machine's wall clock: this timeout makes
+            # its deadline the swarm-time one, which the averager process reads on swarm time
             control = self.averager.step(gather=gather | self._certificate, weight=weight, scheduled_time=scheduled_time,
-                                         timeout=max(0.5, deadline - time.time()), allow_retries=False, wait=False)
+                                         timeout=max(deadline, now() + 0.5) - time.time(), allow_retries=False,
+                                         wait=False)
             # hivemind bounds the all-reduce by allreduce_timeout once the group formed; on a loaded
             # machine its event loop may report late, so allow as much again before giving up
-            budget = deadline - time.time() + 2.0 * self.allreduce_timeout + 1.0
+            budget = deadline - now() + 2.0 * self.allreduce_timeout + 1.0
             while budget > 0 and not stop.is_set():
                 try:
                     gathered = control.result(timeout=min(0.5, budget))

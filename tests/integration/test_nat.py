@@ -73,15 +73,22 @@ def test_islands_behind_two_nat_routers_share_the_public_islands_rounds(tmp_path
         assert all(e["outcome"] != "ok" for e in alone), (name, alone)
 
     table = rounds_by_slot(paths)
-    first = min(slot for slot, row in table.items() if len(row.get("public", {}).get("members", [])) == 3)
-    ok = {name: [slot for slot, row in table.items() if slot >= first and row.get(name, {}).get("outcome") == "ok"]
+    in_order = sorted(table, key=lambda key: (key[1], key[0]))  # (fragment, slot) keys, in time order
+    first = next(key for key in in_order if len(table[key].get("public", {}).get("members", [])) == 3)
+    ok = {name: [key for key in in_order[in_order.index(first):] if table[key].get(name, {}).get("outcome") == "ok"]
           for name in names}
-    # a NAT'd island's ok rounds over the public island's: both ended the slot's round as members
-    together = {name: len(set(ok["public"]) & set(ok[name])) for name in names[1:]}
-    print(f"ok rounds from the first of all three: public {len(ok['public'])}, shared by {together}")
+    # a NAT'd island's ok rounds over the public island's, in the slots it took part in: a round it
+    # skipped because its own learner was late with the snapshot (no_snapshot: a busy CPU) is no
+    # network's doing, and it must have taken part in most slots
+    took_part = {name: [key for key in ok["public"] if table[key].get(name, {}).get("outcome") != "no_snapshot"]
+                 for name in names[1:]}
+    together = {name: len(set(took_part[name]) & set(ok[name])) for name in names[1:]}
+    print(f"ok rounds from the first of all three: public {len(ok['public'])}; shared by {together} of the "
+          f"{ {name: len(slots) for name, slots in took_part.items()} } each took part in")
     assert len(ok["public"]) >= 8
     for name in names[1:]:
-        assert together[name] >= 0.8 * len(ok["public"]), (name, together, len(ok["public"]))
+        assert len(took_part[name]) >= 0.7 * len(ok["public"]), (name, took_part, ok["public"])
+        assert together[name] >= 0.8 * len(took_part[name]), (name, together, took_part)
     # islands that start a round from the same Theta and complete it end with the same Theta (hashes
     # of the bytes). A member on a fork (its first rounds fell back alone) or one dropped mid-round
     # (hivemind's sender timeout) reloads the canonical Theta after it

@@ -307,6 +307,39 @@ def test_a_client_offers_the_end_of_its_grace_window_as_its_expiration():
         assert channel.averager.steps[0]["scheduled_time"] == expected
 
 
+def test_the_channel_hands_hivemind_swarm_times_and_the_offset_its_averager_reads():
+    """The averager process runs on swarm time (docs/DESIGN.md, "Clocks"); hivemind's step() adds its
+    timeout to this machine's clock, so the timeout must land the deadline on the swarm-time one."""
+    from p2p_diloco.algo.clock import ClockEstimate, SwarmClock
+    from p2p_diloco.net.channel import HivemindChannel
+
+    class AveragerDouble:
+        client_mode, steps = False, []
+
+        def is_alive(self):
+            return True
+
+        def step(self, **kwargs):
+            self.steps.append(kwargs | {"now": time.time()})
+            raise RuntimeError("no group")
+
+    for offset in (2.0, -2.0):  # this machine's clock 2 s ahead of the swarm's, then 2 s behind
+        clock = SwarmClock()
+        clock.update(ClockEstimate(offset, 3, 0.001))
+        channel = object.__new__(HivemindChannel)
+        channel.averager, channel.allreduce_timeout, channel.levels = AveragerDouble(), 1.0, 0
+        channel.clock, channel._clock_offset = clock, torch.zeros(1, dtype=torch.float64)
+        channel._traffic = torch.zeros(3, dtype=torch.int64)
+        channel._shared = {"grid": torch.zeros(1, dtype=torch.int16)}
+        channel._certificate = {}
+        slot = clock.now() + 3.0
+        assert channel.all_reduce(gather={}, weight=1.0, scheduled_time=slot, deadline=slot + 1.5,
+                                  stop=threading.Event()) is None
+        step = channel.averager.steps[-1]
+        assert step["scheduled_time"] == slot and float(channel._clock_offset[0]) == offset
+        assert step["now"] + step["timeout"] == pytest.approx(slot + 1.5, abs=0.01)
+
+
 def test_the_store_hands_over_and_publishes_together():
     store = FragmentStore([SHAPES])
     store.initialize([_params(0)])
