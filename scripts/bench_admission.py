@@ -104,7 +104,10 @@ def main(argv=None) -> int:
           f"({', '.join(f'{x:.2f}' for x in ratios)}); rogues: {rogue_totals['attempts']} attempts in "
           f"{rogue_totals['seconds']:.0f} s, {rogue_totals['refused']} refused, {rogue_totals['breaches']} breaches; "
           f"strangers in rounds: {strangers or 'none'}")
-    return 0 if rogue_totals["breaches"] == 0 and not strangers else 1
+    errors = result["rogue_errors"]
+    if errors:  # an attempt that was neither refused nor a breach (a hang, an unreachable island): look
+        print(f"{len(errors)} attempt(s) ended otherwise, e.g. {errors[0]}")
+    return 0 if rogue_totals["breaches"] == 0 and not strangers and not errors else 1
 
 
 if __name__ == "__main__":

@@ -201,13 +201,16 @@ class Attack:
 
     def run(self, attacks: int, pause: float, stop: threading.Event) -> None:
         """``attacks`` times (or until ``stop``): every rogue at every door, then ``pause`` seconds."""
+        async def every_rogue_at_the_averagers():
+            await asyncio.gather(*(self.try_averagers(rogue) for rogue in self.rogues))
+
         for _ in range(attacks):
-            for rogue in self.rogues:
+            for rogue in self.rogues:  # one at a time: each starts a DHT process
                 if stop.is_set():
                     return
                 self.try_dht(rogue)
-                if self.targets:
-                    asyncio.run(self.try_averagers(rogue))
+            if self.targets and not stop.is_set():
+                asyncio.run(every_rogue_at_the_averagers())
             if stop.wait(pause):
                 return
 

@@ -114,6 +114,8 @@ class HivemindChannel:
         # seconds this machine's clock is ahead of the swarm's, read by the averager process on every
         # time it takes (docs/DESIGN.md, "Clocks")
         self._clock_offset = torch.zeros(1, dtype=torch.float64).share_memory_()
+        if clock is not None:  # (measured at start: state declarations before the first round use it)
+            self._clock_offset[0] = clock.offset
         self.levels = grid.levels_of(codec)
         numel = sum(int(torch.Size(shape).numel()) for shape in shapes)
         # bytes sent, bytes received (counted by the codec), elements whose reducer failed (-1: unknown)

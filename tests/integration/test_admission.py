@@ -203,11 +203,14 @@ def test_a_private_swarm_refuses_rogues_and_drops_a_revoked_island_within_a_reco
                               "--dashboard-port", "0")
         for name in names:
             swarm.start_island(name, *FAST, "--max-steps", "2000", *flags[name])
-        # island-1's averagers (the "stolen" rogue poses as island-0 there; the bench attacks every island)
-        start = wait_for(lambda: events_of(swarm.events_path("island-1"), "start"), 120, message="island-1's start")
+        # island-1's averager of fragment 0 (the "stolen" rogue poses as island-0 there; the bench attacks
+        # every averager of every island),
+        # once they serve rounds and state: after its first round
+        wait_for(lambda: events_of(swarm.events_path("island-1"), "round"), 150, message="island-1's first round")
+        start = events_of(swarm.events_path("island-1"), "start")
         report_path = tmp_path / "rogues.json"
         attack = swarm.start_process("rogues", "p2p_diloco.lab.rogues", "--dir", str(rogues), "--initial-peers",
-                                     *swarm.initial_peers, "--target", *targets_of(start[0], RUN, 2),
+                                     *swarm.initial_peers, "--target", *targets_of(start[0], RUN, 2)[:1],
                                      "--attacks", "1", "--out", str(report_path))
 
         def live():  # the islands the bootstrap node's dashboard sees (it reads the DHT as an admitted peer)
@@ -240,6 +243,15 @@ def test_a_private_swarm_refuses_rogues_and_drops_a_revoked_island_within_a_reco
         report = json.loads(report_path.read_text())
         assert report["breaches"] == 0 and report["refused"] == report["attempts"], report
         assert all(report["by_kind"][kind][door]["refused"] >= 1 for kind in KINDS for door in DOORS), report
+        # and the refusals are the gates': the bootstrap node's DHT named each reason, and island-1's
+        # averagers refused every rogue's peer id (not a closed door for some other cause)
+        bootstrap_log = swarm.bootstrap.log_path.read_text()
+        for reason in ("no certificate", "forged certificate", "expired at", "another peer's certificate", "revoked"):
+            assert reason in bootstrap_log, reason
+        island_log = swarm.islands["island-1"].log_path.read_text()
+        for kind in KINDS:
+            rogue_id = adm.peer_id_of(adm.identity_public_key(str(rogues / f"rogue-{kind}.key")))
+            assert f"refused peer {rogue_id} (averager)" in island_log, kind
         for island in ("island-0", "island-1"):
             assert all("island-2" not in e.get("members", []) for e in rounds_after(island, settled))
             rounds = rounds_after(island, 0)  # no rogue, not even one that claims island-0's name
