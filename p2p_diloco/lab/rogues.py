@@ -220,9 +220,11 @@ class Attack:
         for (kind, door, outcome), n in sorted(self.outcomes.items()):
             by_kind.setdefault(kind, {}).setdefault(door, {})[outcome] = n
         total = sum(self.outcomes.values())
-        count = lambda what: sum(n for (_, _, o), n in self.outcomes.items() if o == what)  # noqa: E731
-        return {"attempts": total, "refused": count("refused"), "breaches": count("breach"), "errors": self.errors[:20],
-                "by_kind": by_kind}
+        counts = Counter()
+        for (_, _, outcome), n in self.outcomes.items():
+            counts[outcome] += n
+        return {"attempts": total, "refused": counts["refused"], "breaches": counts["breach"],
+                "errors": self.errors[:20], "by_kind": by_kind}
 
 
 class PrivateRun:
@@ -293,6 +295,18 @@ def targets_of(start_event: dict, run_id: str, fragments: int) -> list[str]:
     return [f"{averager_prefix(run_id, start_event['fingerprint'], p, fragments)}={maddr}" for p in range(fragments)]
 
 
+def save_rogues(folder: str | Path, rogues: Sequence[Rogue], authority_public_key: str, run_id: str) -> Path:
+    """Write ``rogues.json`` for :func:`main` (identities stay in their files)."""
+    from p2p_diloco import files
+
+    path = Path(folder) / "rogues.json"
+    files.write_text(path, json.dumps({
+        "run_id": run_id, "authority_public_key": Path(authority_public_key).read_text(),
+        "rogues": [{"kind": r.kind, "identity_path": r.identity_path,
+                    "certificate": r.certificate.to_bytes().decode() if r.certificate else ""} for r in rogues]}))
+    return path
+
+
 def main(argv: Optional[Sequence[str]] = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m p2p_diloco.lab.rogues", description=__doc__.split("\n\n")[0])
     parser.add_argument("--dir", required=True, help="the folder make_rogues wrote (rogues.json)")
@@ -326,18 +340,6 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         files.write_text(args.out, json.dumps(report, indent=1))
     print(json.dumps({k: report[k] for k in ("attempts", "refused", "breaches")}))
     return 0
-
-
-def save_rogues(folder: str | Path, rogues: Sequence[Rogue], authority_public_key: str, run_id: str) -> Path:
-    """Write ``rogues.json`` for :func:`main` (identities stay in their files)."""
-    from p2p_diloco import files
-
-    path = Path(folder) / "rogues.json"
-    files.write_text(path, json.dumps({
-        "run_id": run_id, "authority_public_key": Path(authority_public_key).read_text(),
-        "rogues": [{"kind": r.kind, "identity_path": r.identity_path,
-                    "certificate": r.certificate.to_bytes().decode() if r.certificate else ""} for r in rogues]}))
-    return path
 
 
 if __name__ == "__main__":
