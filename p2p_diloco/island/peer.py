@@ -163,7 +163,7 @@ class Island:
             self.admission.tick(self.dht, config.progress.ttl)
         self.board = ProgressBoard(self.dht, config.run_id, public_key)
         teardown(lambda: self.dht.is_alive() and self.board.withdraw(), "withdrawing the progress record")
-        others = [r for r in self.board.read() if r.island != config.island]
+        others = [r for r in self._first_read() if r.island != config.island]
         joining.check_fingerprint(others, self.fingerprint, config.run_id)
         logger.info("island %s (peer %s) listening at %s", config.island, self.peer_id, " ".join(self.maddrs))
         self.events({"event": "start", "peer_id": self.peer_id, "fingerprint": self.fingerprint,
@@ -188,6 +188,17 @@ class Island:
                                   channels=self.channels, learner=self.learner, events=self.events,
                                   swarm_bases=lambda: self.reporter.swarm_bases(), stop=self.rounds_stop,
                                   swarm_clock=self.clock, swarm_offsets=lambda: self.reporter.clock_offsets())
+
+    def _first_read(self, attempts: int = 3, pause: float = 1.0) -> list[IslandProgress]:
+        """The others' records at start. A DHT node that has just joined may not have met the nodes
+        that hold them yet (or may get no answer on a loaded machine): an island that reads nobody
+        would start from the seed instead of downloading the swarm's state, so ask up to ``attempts``
+        times, ``pause`` seconds apart, before believing that it is the first."""
+        for attempt in range(attempts):
+            found = self.board.try_read()
+            if found or self.stop.event.wait(pause) or attempt == attempts - 1:
+                return found or []
+        return []
 
     def _start_reporter(self, teardown) -> None:
         config = self.config

@@ -132,23 +132,27 @@ def test_averagers_admit_members_and_refuse_a_rogue_that_calls_them_directly(tmp
             publish_certificate(dhts[-1], RUN, admission.certificate, ttl=60)
         channels = [_channel(dht, admission, prefix, i + 1) for i, (dht, admission) in enumerate(zip(dhts, admissions))]
 
-        # two admitted members average and end identical
-        for i, channel in enumerate(channels):
-            with channel.tensors() as tensors:
-                for tensor in tensors:
-                    tensor.fill_(float(i))
-        slot, results = time.time() + 2.5, [None, None]
+        # two admitted members average and end identical. On a loaded machine a reducer may miss its
+        # timeout: then its part keeps each member's own values (the report says so) and we try again
+        for attempt in range(3):
+            for i, channel in enumerate(channels):
+                with channel.tensors() as tensors:
+                    for tensor in tensors:
+                        tensor.fill_(float(i))
+            slot, results = time.time() + 2.5, [None, None]
 
-        def one(i):
-            results[i] = channels[i].all_reduce(gather={"island": f"island-{i}"}, weight=1.0, scheduled_time=slot,
-                                                deadline=slot + 2, stop=threading.Event())
+            def one(i):
+                results[i] = channels[i].all_reduce(gather={"island": f"island-{i}"}, weight=1.0, scheduled_time=slot,
+                                                    deadline=slot + 2, stop=threading.Event())
 
-        threads = [threading.Thread(target=one, args=(i,)) for i in range(2)]
-        for thread in threads:
-            thread.start()
-        for thread in threads:
-            thread.join(30)
-        assert all(r is not None and len(r) == 2 for r in results), results
+            threads = [threading.Thread(target=one, args=(i,)) for i in range(2)]
+            for thread in threads:
+                thread.start()
+            for thread in threads:
+                thread.join(30)
+            assert all(r is not None and len(r) == 2 for r in results), results
+            if all(channel.report().failed == 0 for channel in channels):
+                break
         assert all("certificate" not in m for m in results[0].values())  # the gate's, not the island's
         for channel in channels:
             with channel.tensors() as tensors:
