@@ -139,6 +139,27 @@ class OuterConfig(_Section):
         120.0, gt=0.0, description="seconds an island caught sending garbage (NaN, Inf, huge) is kept out of "
         "rounds; doubled each time it is caught again",
     )
+    aggregator: Literal["mean", "centered_clip"] = Field(
+        "centered_clip", description="how a reducer merges its part of the members' pseudo-gradients: the weighted "
+        "mean, or centered_clip (a robust mean: one member far from the others moves it by at most its share "
+        "times a radius; docs/SECURITY.md)",
+    )
+    weight_cap: float = Field(
+        2.0, ge=1.0, description="no member weighs more in a round than this many times the median member's "
+        "weight, whatever it claims (docs/SECURITY.md)",
+    )
+    clip_radius: float = Field(
+        2.0, gt=0.0, description="centered_clip's radius, in median distances of the members to their "
+        "coordinate-wise median",
+    )
+    outlier_ratio: float = Field(
+        4.0, gt=1.0, description="a member whose pseudo-gradient is farther from the merged one than this many "
+        "times the median member's distance is an outlier in that part",
+    )
+    outlier_rounds: int = Field(
+        3, ge=1, le=8, description="flag a member that was an outlier in most of the parts it sent us in this "
+        "many of its last 2n-1 rounds with us (probation as for garbage)",
+    )
 
     @property
     def fragment_budget(self) -> float:

@@ -89,7 +89,8 @@ class IslandParts:
         self.store, self.stats = FragmentStore([shapes]), SyncerStats()
         self.store.initialize([theta])
         self.quarantine = Quarantine(island=name, probation=config.flag_probation, slot_spacing=config.fragment_budget,
-                                     check_lead=config.matchmaking_time, events=self.events.append)
+                                     check_lead=config.matchmaking_time, events=self.events.append,
+                                     outlier_rounds=config.outlier_rounds)
         self.transfer = StateTransfer(self.store, self.stats, fingerprint="f" * 16, events=self.events.append,
                                       allreduce_timeout=config.allreduce_timeout, stop=self.stop)
         self.wire = wire or RoundFormat(config, names, shapes)

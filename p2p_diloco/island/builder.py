@@ -149,7 +149,7 @@ class IslandBuilder:
         island.rounds_stop = threading.Event()
         island.quarantine = Quarantine(island=self.config.island, probation=outer.flag_probation,
                                        slot_spacing=outer.fragment_budget, check_lead=outer.matchmaking_time,
-                                       events=island.events)
+                                       events=island.events, outlier_rounds=outer.outlier_rounds)
         island.transfer = self.state_transfer(island.store, island.sync_stats, fingerprint=island.fingerprint,
                                               events=island.events, allreduce_timeout=outer.allreduce_timeout,
                                               stop=island.rounds_stop)

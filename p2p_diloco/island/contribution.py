@@ -18,11 +18,12 @@ from typing import Optional, Sequence
 import numpy as np
 import torch
 
-from p2p_diloco.algo import grid, outer, wire
+from p2p_diloco.algo import grid, outer, robust, wire
 from p2p_diloco.config import OuterConfig
+from p2p_diloco.net.reducer import MIN_WEIGHT, MergeRule
 
 WEIGHT_UNIT = 1e6  # token weights are sent in units of 10^6 (tokens^2 / step) to stay well inside fp32
-LISTENER_WEIGHT = 1e-12  # weight of a member with nothing to contribute: it only receives the result
+LISTENER_WEIGHT = MIN_WEIGHT  # weight of a member with nothing to contribute: it only receives the result
 MIN_OTHERS_SHARE = 1e-3  # below this share of the others' weight, a round's result is not checked for failed parts
 
 
@@ -69,6 +70,10 @@ class RoundFormat:
                          for rda in self.rda]
         self.norm_limits = [config.max_delta * math.sqrt(s.numel()) * (1 + 1e-6) + 1e-30 for s in self.shapes]
         self.chunks = grid.num_chunks(self.shapes)
+        self.weight_cap = config.weight_cap
+        # how every member's reducer merges its parts (the run's, like the rest of this format)
+        self.merge_rule = MergeRule(aggregator=config.aggregator, weight_cap=config.weight_cap,
+                                    radius_factor=config.clip_radius, outlier_ratio=config.outlier_ratio)
 
     @property
     def report_bound(self) -> float:
@@ -194,8 +199,14 @@ class RoundFormat:
     def merge(self, averaged: Sequence[torch.Tensor], members: Sequence[dict]) -> list[torch.Tensor]:
         """The merged pseudo-gradient: the weighted mean as it is, RDA tensors rescaled to the mean of
         the members' gathered norms (:func:`p2p_diloco.algo.outer.merge_result`)."""
-        return outer.merge_result(averaged, self.rda, member_norms(members, len(averaged)),
-                                  [max(m["weight"], LISTENER_WEIGHT) for m in members])
+        return outer.merge_result(averaged, self.rda, member_norms(members, len(averaged)), self.weights(members))
+
+    def weights(self, members: Sequence[dict]) -> list[float]:
+        """The members' merge weights as the reducers used them: their claims capped at
+        ``weight_cap`` x the median (:func:`p2p_diloco.algo.robust.cap_weights`), listeners at
+        :data:`LISTENER_WEIGHT`."""
+        capped = robust.cap_weights([m["weight"] for m in members], self.weight_cap, floor=LISTENER_WEIGHT)
+        return [max(w, LISTENER_WEIGHT) for w in capped]
 
     def carry_base(self, local: Sequence[torch.Tensor], contribution: Contribution,
                    sent: Sequence[torch.Tensor]) -> list[torch.Tensor]:

@@ -14,7 +14,7 @@ import torch
 
 from p2p_diloco.config import ModelConfig, OuterConfig
 
-PROTOCOL_VERSION = 2  # bump when the wire format of rounds or state downloads changes
+PROTOCOL_VERSION = 3  # bump when the wire format of rounds or state downloads changes
 
 
 @dataclass(frozen=True)
@@ -110,8 +110,7 @@ def run_fingerprint(spec: ModelSpec, vocab_size: int, seed: int, tokenizer_sha: 
 
     Covers the architecture, the tokenizer (sha256 of its JSON), the init seed and the outer-loop
     fields that decide the global parameters (fragments, period, outer optimizer, delta clip, merge,
-    codec), plus
-    the wire protocol version. Inner-loop settings (lr, batch) may differ between islands.
+    codec, aggregator, weight cap, clip radius), plus the wire protocol version. Inner-loop settings (lr, batch) may differ between islands.
     """
     payload = {
         "protocol": PROTOCOL_VERSION,
@@ -127,6 +126,9 @@ def run_fingerprint(spec: ModelSpec, vocab_size: int, seed: int, tokenizer_sha: 
             "max_delta": outer.max_delta,
             "merge": outer.merge,
             "codec": outer.codec,
+            "aggregator": outer.aggregator,
+            "weight_cap": outer.weight_cap,
+            "clip_radius": outer.clip_radius,
         },
     }
     blob = json.dumps(payload, sort_keys=True).encode()

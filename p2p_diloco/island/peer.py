@@ -180,7 +180,8 @@ class Island:
                     state_provider=lambda p=p: self.transfer.donate(p), allreduce_timeout=outer.allreduce_timeout,
                     prefix=averager_prefix(config.run_id, self.fingerprint, p, layout.num_fragments),
                     quorum=outer.quorum, matchmaking_time=outer.matchmaking_time / 2,
-                    request_timeout=outer.request_timeout, admission=self.admission, clock=self.clock))
+                    request_timeout=outer.request_timeout, admission=self.admission, clock=self.clock,
+                    merge_rule=fmt.merge_rule))
         finally:
             self.stop.install()  # hivemind's averager turned SIGINT off in this process
         self.syncer = wire_syncer(island=config.island, config=outer, store=self.store, stats=self.sync_stats,

@@ -1,7 +1,8 @@
 """Which islands this one keeps out of its rounds, and until when (docs/DESIGN.md, "What is
-validated where"): an island caught sending garbage (NaN, Inf, values out of bounds, lying metadata)
-is flagged for a probation that doubles with each strike, and islands that flagged the same ones
-meet under the same group key. Pure logic: the wall clock is an argument, never read here.
+validated where"): an island caught sending garbage (NaN, Inf, values out of bounds, lying metadata),
+or an outlier in most of its recent rounds with us (docs/SECURITY.md), is flagged for a probation that
+doubles with each strike, and islands that flagged the same ones meet under the same group key. Pure
+logic: the wall clock is an argument, never read here.
 """
 
 from __future__ import annotations
@@ -10,6 +11,7 @@ import hashlib
 import logging
 import math
 import threading
+from collections import deque
 from typing import Callable, Optional, Sequence
 
 logger = logging.getLogger(__name__)
@@ -27,14 +29,19 @@ class Quarantine:
     :param slot_spacing: seconds between two rounds on the clock (T_outer / P)
     :param check_lead: seconds before a slot at which its round checks the flags (matchmaking time)
     :param events: takes ``flag`` and ``unflag`` events (the island's JSONL log)
+    :param outlier_rounds: n: an island that was an outlier in n of its last 2n - 1 rounds with us is
+        flagged (:meth:`note_outlier`)
     """
 
     def __init__(self, *, island: str, probation: float, slot_spacing: float, check_lead: float,
-                 events: Callable[[dict], None] = lambda event: None):
+                 events: Callable[[dict], None] = lambda event: None, outlier_rounds: int = 3):
         self.island, self.probation, self.events = island, probation, events
         self.slot_spacing, self.check_lead = slot_spacing, check_lead
         self.flagged: dict[str, float] = {}  # island -> end of its probation (wall clock)
+        self.reasons: dict[str, str] = {}  # island -> why it was flagged last
         self.strikes: dict[str, int] = {}  # times each island was flagged
+        self.outlier_rounds = outlier_rounds
+        self._outliers: dict[str, deque] = {}  # island -> its last 2n - 1 rounds with us: outlier or not
         self._lock = threading.Lock()  # round threads catch, the reporter's thread adopts
 
     def __contains__(self, island: str) -> bool:
@@ -45,22 +52,50 @@ class Quarantine:
         with self._lock:
             return sorted(self.flagged)
 
-    def flag(self, island: str, how: str, now: float) -> float:
+    def flagged_reasons(self) -> dict[str, str]:
+        """The islands flagged now -> why (``garbage``, ``outlier``, ``adopted``)."""
+        with self._lock:
+            return {island: self.reasons.get(island, "garbage") for island in sorted(self.flagged)}
+
+    def flag(self, island: str, how: str, now: float, reason: str = "garbage") -> float:
         """Keep ``island`` out of our rounds for its probation, from wall-clock time ``now``.
 
         :param how: ``caught`` (by one of our rounds) or ``adopted`` (from the other islands' word)
+        :param reason: what it was caught doing: ``garbage`` (NaN, Inf, out of bounds, lying metadata)
+            or ``outlier`` (:meth:`note_outlier`); adopted flags say ``adopted``
         :returns: the probation in seconds, or 0 if it is flagged already
         """
         with self._lock:
             if island in self.flagged:
                 return 0.0
+            self.reasons[island] = reason if how == "caught" else "adopted"
+            self._outliers.pop(island, None)  # a fresh record after its probation
             self.strikes[island] = self.strikes.get(island, 0) + 1
             seconds = self.probation * 2.0 ** min(self.strikes[island] - 1, 16)
             # halfway between two rounds' checks (made check_lead before each slot)
             step, shift = self.slot_spacing, self.check_lead - self.slot_spacing / 2
             self.flagged[island] = math.ceil((now + seconds + shift) / step) * step - shift
-        self.events({"event": "flag", "culprit": island, "how": how, "seconds": seconds})
+        self.events({"event": "flag", "culprit": island, "how": how, "seconds": seconds,
+                     "reason": self.reasons[island]})
         return seconds
+
+    def note_outlier(self, island: str, outlier: bool, now: float) -> float:
+        """One more round of ``island`` with us: whether it was an outlier in most of the parts we
+        reduced (:class:`p2p_diloco.net.reducer.OutlierBook`). An outlier in n of its last 2n - 1
+        such rounds is flagged (reason ``outlier``): one odd round (a fresh joiner's first update, a
+        spike in the loss) is not enough, a member that sends far-off updates round after round is.
+
+        :returns: the probation in seconds if this flagged it, else 0
+        """
+        if island == self.island:
+            return 0.0
+        with self._lock:
+            if island in self.flagged:
+                return 0.0
+            window = self._outliers.setdefault(island, deque(maxlen=2 * self.outlier_rounds - 1))
+            window.append(bool(outlier))
+            caught = sum(window) >= self.outlier_rounds
+        return self.flag(island, "caught", now, reason="outlier") if caught else 0.0
 
     def expire(self, now: float) -> list[str]:
         """End the probations that are over at ``now``; returns those islands (they may join again)."""

@@ -106,7 +106,7 @@ class OuterRound:
             return RoundOutcome("cancelled", clipped=mine.clipped, seconds=seconds, figures=figures)
         members = self.wire.members(gathered)
         if gathered is not None and len(members) >= 2:
-            outcome = self._merge(p, state, snapshot, mine, members, figures)
+            outcome = self._merge(p, state, snapshot, mine, members, figures, gathered)
             if outcome is not None:
                 outcome.seconds = seconds
                 return outcome
@@ -118,10 +118,11 @@ class OuterRound:
                             clipped=mine.clipped, seconds=seconds, figures=figures)
 
     def _merge(self, p: int, state: FragmentState, snapshot: Snapshot, mine: Contribution, members: list[dict],
-               figures: dict) -> Optional[RoundOutcome]:
+               figures: dict, gathered: dict) -> Optional[RoundOutcome]:
         """The outcome of a group of 2+ members, or None when no part of the fragment was averaged
         (the round then falls back to our own pseudo-gradient)."""
         report = self.channel.report()
+        self._weigh_outliers(report.outliers, gathered, figures)
         with self.channel.tensors() as buffers:
             merged, sent, exponents = self.wire.read(buffers, mine.values, report.grid)
         figures["unaveraged"] = 0.0  # share of the fragment no reducer averaged (zeroed): a dropped member
@@ -160,6 +161,24 @@ class OuterRound:
         # without a donor, keep training on our own fork: the next round's base check heals it
         new_state = fresh if fresh is not None else state.stepped(merged, new_version, 1, **self._optimizer())
         return RoundOutcome("ok", new_state, base, **done)
+
+    def _weigh_outliers(self, outliers: dict, gathered: dict, figures: dict) -> None:
+        """Note, for each member we reduced parts with, whether it was an outlier in most of them (its
+        pseudo-gradient far from the robust center: docs/SECURITY.md); one that is, round after round,
+        is flagged (:meth:`p2p_diloco.island.quarantine.Quarantine.note_outlier`)."""
+        far = []
+        for peer, (seen, out) in outliers.items():
+            member = gathered.get(peer)
+            island = member.get("island") if isinstance(member, dict) else None
+            if not isinstance(island, str) or island == self.island:
+                continue
+            if 2 * out > seen:
+                far.append(island)
+            seconds = self.quarantine.note_outlier(island, 2 * out > seen, self.clock.now())
+            if seconds:
+                logger.error("island %s sent pseudo-gradients far from the others' round after round: flagged, its "
+                             "rounds are avoided for %.0f s", island, seconds)
+        figures["outliers"] = sorted(far)
 
     def _reject(self, members: list[dict], culprits: list[str], mine: Contribution, figures: dict) -> RoundOutcome:
         """A member sent NaN, Inf, unclipped values or lied in its metadata: the round's result is not

@@ -1,6 +1,8 @@
 """Faults injected into an island by the lab, never reachable from the product's ``p2p-diloco peer``:
 a slower (or jittering) device, a faulty island that sends NaN, Inf or 1e30 pseudo-gradients
-(for good, or toggled by SIGUSR2), and a slow donor (so chaos runs can kill it mid-download).
+(for good, or toggled by SIGUSR2), an attacker whose pseudo-gradients stay within the protocol's
+bounds (docs/SECURITY.md: inflated weights, sign flips at the bound, noise, a small consistent bias,
+stale replays), and a slow donor (so chaos runs can kill it mid-download).
 
 ``python -m p2p_diloco.lab.faults peer ...`` is ``p2p-diloco peer ...`` with the ``[debug]`` flags of
 :class:`LabPeerConfig`; it runs the product's island, assembled by :class:`FaultyIslandBuilder`, which
@@ -24,7 +26,8 @@ import torch
 from pydantic import Field, model_validator
 
 from p2p_diloco.config import PeerConfig, _Section
-from p2p_diloco.island.contribution import RoundFormat
+from p2p_diloco.algo import outer
+from p2p_diloco.island.contribution import Contribution, RoundFormat
 from p2p_diloco.island.learner import Learner
 from p2p_diloco.island.builder import IslandBuilder
 from p2p_diloco.island.transfer import StateTransfer
@@ -32,6 +35,11 @@ from p2p_diloco.island.transfer import StateTransfer
 logger = logging.getLogger(__name__)
 
 GARBAGE = {"nan": float("nan"), "inf": float("inf"), "huge": 1e30}
+# attacks that stay within the protocol's bounds (AttackingFormat)
+ATTACKS = ("inflate", "flip", "noise", "bias", "replay")
+INFLATION = 1e6  # "inflate": the weight claimed, times the honest one
+NOISE_SCALE = 10.0  # "noise": Gaussian noise of this many standard deviations of the honest update
+BIAS_SCALE = 1.0  # "bias": a fixed direction of this many standard deviations of the honest update
 
 
 class DebugConfig(_Section):
@@ -43,6 +51,10 @@ class DebugConfig(_Section):
     corrupt_on_signal: bool = Field(
         False, description="with --debug-corrupt-outer, send garbage only between SIGUSR2s (the first turns the "
         "island faulty, the next one heals it, and so on)",
+    )
+    attack: str = Field(
+        "", description="send pseudo-gradients within the protocol's bounds that hurt the swarm: one or more of "
+        + ", ".join(ATTACKS) + " joined by '+' (e.g. flip+inflate; docs/SECURITY.md)",
     )
     donate_delay: float = Field(
         0.0, ge=0.0, le=10.0, description="seconds a donor waits before serving a state download (a slow donor; "
@@ -59,7 +71,15 @@ class DebugConfig(_Section):
     def _check_signal(self) -> "DebugConfig":
         if self.corrupt_on_signal and not self.corrupt_outer:
             raise ValueError("debug.corrupt_on_signal needs debug.corrupt_outer (what to send once faulty)")
+        unknown = [kind for kind in self.attacks if kind not in ATTACKS]
+        if unknown:
+            raise ValueError(f"debug.attack: unknown {', '.join(unknown)}; use {', '.join(ATTACKS)} joined by '+'")
         return self
+
+    @property
+    def attacks(self) -> list[str]:
+        """The attacks asked for (``debug.attack`` split at '+')."""
+        return [kind for kind in self.attack.split("+") if kind]
 
     @property
     def any(self) -> bool:
@@ -111,6 +131,43 @@ class CorruptingFormat(RoundFormat):
                 buffer.fill_(GARBAGE[self.garbage.value])
 
 
+class AttackingFormat(RoundFormat):
+    """A round format whose member attacks the swarm with values every check lets through: each
+    element within +-max_delta, the metadata true to what is sent. ``attacks`` (applied in order):
+
+    - ``inflate``: claims INFLATION x its weight (a huge token count);
+    - ``flip``: sends -max_delta * sign(Delta), the honest update reversed and pushed to the bound;
+    - ``noise``: adds Gaussian noise of NOISE_SCALE standard deviations of its update;
+    - ``bias``: adds BIAS_SCALE standard deviations along one fixed random direction, every round
+      (small and consistent: "A Little Is Enough", Baruch et al., arXiv 1902.06156);
+    - ``replay``: sends its first update again in every later round (a stale contribution).
+    """
+
+    def __init__(self, *args, attacks: Sequence[str], seed: int = 0, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.attacks, self._first = list(attacks), None
+        self._rng = torch.Generator().manual_seed(seed)
+        self._direction = [torch.sign(torch.randn(s, generator=self._rng)) for s in self.shapes]
+
+    def contribution(self, delta, tokens: int, steps: int):
+        honest = super().contribution(delta, tokens, steps)  # clipped in place
+        attacked = [d.clone() for d in honest.delta]
+        for kind in self.attacks:
+            if kind == "flip":
+                attacked = [-self.max_delta * torch.sign(d) for d in attacked]
+            elif kind == "noise":
+                attacked = [d + NOISE_SCALE * float(d.std()) * torch.randn(d.shape, generator=self._rng) for d in attacked]
+            elif kind == "bias":
+                attacked = [d + BIAS_SCALE * float(d.std()) * s for d, s in zip(attacked, self._direction)]
+            elif kind == "replay":
+                self._first = self._first or [d.clone() for d in attacked]
+                attacked = [d.clone() for d in self._first]
+        attacked = [d.clamp(-self.max_delta, self.max_delta) for d in attacked]
+        values, norms = outer.wire_values(attacked, self.rda)
+        weight = honest.weight * (INFLATION if "inflate" in self.attacks else 1.0)
+        return Contribution(attacked, values, norms, weight, honest.clipped)
+
+
 class SlowDonorTransfer(StateTransfer):
     """A donor that waits ``delay`` seconds (within the downloader's patience) before serving."""
 
@@ -136,6 +193,8 @@ class FaultyIslandBuilder(IslandBuilder):
             self._toggle_on_signal()
         elif debug.corrupt_outer:
             logger.warning("testing mode: this island sends %s pseudo-gradients", debug.corrupt_outer)
+        if debug.attacks:
+            logger.warning("testing mode: this island attacks the swarm (%s)", debug.attack)
 
     def learner(self, **kwargs) -> Learner:
         debug = self.config.debug
@@ -146,6 +205,8 @@ class FaultyIslandBuilder(IslandBuilder):
     def round_format(self, config, names, shapes) -> RoundFormat:
         if self.config.debug.corrupt_outer:
             return CorruptingFormat(config, names, shapes, garbage=self.garbage)
+        if self.config.debug.attacks:
+            return AttackingFormat(config, names, shapes, attacks=self.config.debug.attacks)
         return super().round_format(config, names, shapes)
 
     def state_transfer(self, store, stats, **kwargs) -> StateTransfer:

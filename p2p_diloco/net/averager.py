@@ -13,6 +13,7 @@ from typing import Callable, Optional, Sequence
 import torch
 
 from p2p_diloco.algo import grid
+from p2p_diloco.net.reducer import MergeRule, OutlierBook, capped_weights, install_runner
 
 logger = logging.getLogger(__name__)
 
@@ -30,15 +31,17 @@ def _fragment_averager_class():
 
         def __init__(self, *args, state_provider: Callable[[], tuple[dict, list[torch.Tensor]]], levels: int = 0,
                      shared: Optional[dict] = None, ceilings: Optional[Sequence[int]] = None, gate=None,
-                     clock_offset: Optional[torch.Tensor] = None, **kwargs):
+                     clock_offset: Optional[torch.Tensor] = None, merge_rule: Optional[MergeRule] = None, **kwargs):
             self._state_provider, self._gate, self._clock_offset = state_provider, gate, clock_offset
-            self._levels, self._ceilings = levels, ceilings
+            self._levels, self._ceilings, self._merge_rule = levels, ceilings, merge_rule
             self._shared = shared or {}
             super().__init__(*args, **kwargs)
 
         def run(self):  # the averager process's entry point (hivemind's mp.Process.run)
             if self._clock_offset is not None:
                 run_on_swarm_time(self._clock_offset)
+            if self._merge_rule is not None:
+                install_runner()
             super().run()
 
         def get_current_state(self):
@@ -55,8 +58,15 @@ def _fragment_averager_class():
             - record exactly which elements kept this member's own values because their reducer
               failed (``shared["failed_mask"]``, ``shared["failed"]``: their number, -1 if unknown).
             """
+            claims = _gathered_claims(self, group_info)
             if self._levels:
-                self._shared["grid"].copy_(await _put_on_shared_grid(self, group_info))
+                self._shared["grid"].copy_(await _put_on_shared_grid(self, [c.get("exponents") for c in claims]))
+            if self._merge_rule is not None:  # capped weights and a robust merge (p2p_diloco.net.reducer)
+                book = OutlierBook(self._shared["outliers"]) if "outliers" in self._shared else None
+                if book is not None:
+                    book.reset()
+                weights = capped_weights([c.get("weight") for c in claims], self._merge_rule)
+                kwargs["merge"] = {"rule": self._merge_rule, "weights": weights, "book": book}
             recorder = _FailureRecorder(self._shared.get("failed_mask"))
             future = self._running_groups.get(group_info.group_id)
             if future is not None:
@@ -69,21 +79,27 @@ def _fragment_averager_class():
     return FragmentAverager
 
 
-async def _put_on_shared_grid(averager, group_info) -> torch.Tensor:
-    """In the averager process: the round's shared grid from the exponents every member gathered, and
-    the raw values in the averaged tensors put on it (:func:`p2p_diloco.algo.grid.put_on_grid_`, run
-    off the event loop). Returns the grid used (int16, every tensor's chunk exponents in sequence)."""
+def _gathered_claims(averager, group_info) -> list[dict]:
+    """Each member's gathered metadata in the group's order (``{}`` where it cannot be read)."""
+    claims = []
+    for raw in group_info.gathered:
+        try:
+            user = averager.serializer.loads(averager.serializer.loads(raw)[2])
+            claims.append(user if isinstance(user, dict) else {})
+        except Exception:
+            claims.append({})
+    return claims
+
+
+async def _put_on_shared_grid(averager, reports: list) -> torch.Tensor:
+    """In the averager process: the round's shared grid from the exponents every member gathered
+    (``reports``, in the group's order), and the raw values in the averaged tensors put on it
+    (:func:`p2p_diloco.algo.grid.put_on_grid_`, run off the event loop). Returns the grid used (int16,
+    every tensor's chunk exponents in sequence)."""
     import asyncio
 
     from hivemind.utils.asyncio import enter_asynchronously
 
-    reports = []
-    for raw in group_info.gathered:
-        try:
-            user = averager.serializer.loads(averager.serializer.loads(raw)[2])
-            reports.append(user.get("exponents") if isinstance(user, dict) else None)
-        except Exception:
-            reports.append(None)
     async with enter_asynchronously(averager.get_tensors()) as tensors:
         return await asyncio.get_event_loop().run_in_executor(
             None, grid.put_on_grid_, tensors, reports, averager._levels, averager._ceilings)
@@ -202,6 +218,7 @@ def make_fragment_averager(
     ceilings: Optional[Sequence[int]] = None,
     gate=None,
     clock_offset: Optional[torch.Tensor] = None,
+    merge_rule: Optional[MergeRule] = None,
     start_timeout: float = 60.0,
 ):
     """Start one fragment's averager process (hivemind ``DecentralizedAverager``).
@@ -224,11 +241,13 @@ def make_fragment_averager(
     :param shared: shared-memory tensors the averager process writes for the island after each
         all-reduce: ``grid`` (int16, the chunk exponents used, with a low-bit codec), ``failed_mask``
         (uint8 per element: 1 where the reducer failed) and ``failed`` (int64, one element: how many
-        failed, -1 if unknown)
+        failed, -1 if unknown) and ``outliers`` (:class:`p2p_diloco.net.reducer.OutlierBook`'s table)
     :param ceilings: per tensor, the largest grid exponent an honest member needs
     :param gate: a private run's :class:`p2p_diloco.net.gate.AveragerGate` (None: an open run)
     :param clock_offset: float64 [1], shared: seconds this machine's clock is ahead of the swarm's; the
         averager process then runs on swarm time (:func:`run_on_swarm_time`; None: the wall clock)
+    :param merge_rule: capped weights and a robust merge of the parts this member reduces
+        (:mod:`p2p_diloco.net.reducer`; None: hivemind's weighted mean of the senders' own weights)
     :param start_timeout: seconds the averager process may take to be ready
     :returns: the started averager; end it with ``terminate()`` after the DHT is shut down
     :raises RuntimeError: if it is not ready within ``start_timeout``
@@ -256,6 +275,7 @@ def make_fragment_averager(
         ceilings=ceilings,
         gate=gate,
         clock_offset=clock_offset,
+        merge_rule=merge_rule,
         **({"compression": codec} if codec is not None else {}),
         shutdown_timeout=3.0,
         state_provider=state_provider,

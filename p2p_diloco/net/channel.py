@@ -8,7 +8,7 @@ from __future__ import annotations
 import logging
 import time
 from concurrent.futures import TimeoutError as FutureTimeout
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Callable, ContextManager, Optional, Protocol, Sequence
 
 import torch
@@ -16,6 +16,7 @@ import torch
 from p2p_diloco.algo import grid
 from p2p_diloco.net.averager import make_fragment_averager
 from p2p_diloco.net.gate import CERTIFICATE_FIELD
+from p2p_diloco.net.reducer import MergeRule, OutlierBook
 
 logger = logging.getLogger(__name__)
 
@@ -37,11 +38,14 @@ class RoundReport:
         could not be recorded exactly
     :param failed_mask: uint8 per element (fragment order), 1 where the reducer failed (valid when
         ``failed > 0``)
+    :param outliers: peer id -> (parts this member reduced with that peer, parts in which the peer
+        was an outlier) (:class:`p2p_diloco.net.reducer.OutlierBook`); empty without a merge rule
     """
 
     grid: Optional[torch.Tensor]
     failed: int
     failed_mask: torch.Tensor
+    outliers: dict = field(default_factory=dict)
 
 
 class FragmentChannel(Protocol):
@@ -98,6 +102,8 @@ class HivemindChannel:
     :param admission: a private run's :class:`p2p_diloco.net.gate.Admission` (None: an open run)
     :param clock: the island's :class:`p2p_diloco.algo.clock.SwarmClock`: the averager process then runs
         on swarm time, and :meth:`all_reduce` takes swarm times (None: this machine's wall clock)
+    :param merge_rule: how this member reduces its parts (:class:`p2p_diloco.net.reducer.MergeRule`;
+        None: hivemind's weighted mean of the senders' own weights)
     :param kwargs: ``prefix``, ``quorum``, ``matchmaking_time``, ``request_timeout`` of
         :func:`make_fragment_averager`
     """
@@ -106,7 +112,7 @@ class HivemindChannel:
 
     def __init__(self, dht, *, shapes: Sequence[torch.Size], codec: str, ceilings: Sequence[int],
                  state_provider: Callable[[], tuple[dict, list[torch.Tensor]]], allreduce_timeout: float,
-                 admission=None, clock=None, **kwargs):
+                 admission=None, clock=None, merge_rule: Optional[MergeRule] = None, **kwargs):
         from p2p_diloco.net import codec as codecs
 
         self.allreduce_timeout = allreduce_timeout
@@ -122,7 +128,8 @@ class HivemindChannel:
         self._traffic = torch.zeros(3, dtype=torch.int64).share_memory_()
         self._shared = {"grid": torch.zeros(grid.num_chunks(shapes), dtype=torch.int16).share_memory_(),
                         "failed_mask": torch.zeros(numel, dtype=torch.uint8).share_memory_(),
-                        "failed": self._traffic[2:]}
+                        "failed": self._traffic[2:], "outliers": OutlierBook.allocate()}
+        self._peers: list = []  # the last round's members in the group's order (rows of "outliers")
         # a private run: the certificate goes with every join request; refused peer ids come back here
         self._certificate = {CERTIFICATE_FIELD: admission.certificate.to_bytes()} if admission is not None else {}
         self._refused = torch.zeros(16, 64, dtype=torch.uint8).share_memory_()
@@ -132,7 +139,8 @@ class HivemindChannel:
         self.averager = make_fragment_averager(
             [torch.zeros(shape) for shape in shapes], dht, codec=wire_codec, levels=self.levels,
             shared=self._shared, ceilings=ceilings, state_provider=state_provider,
-            allreduce_timeout=allreduce_timeout, gate=gate, clock_offset=self._clock_offset, **kwargs)
+            allreduce_timeout=allreduce_timeout, gate=gate, clock_offset=self._clock_offset, merge_rule=merge_rule,
+            **kwargs)
 
     def tensors(self) -> ContextManager[list[torch.Tensor]]:
         return self.averager.get_tensors()
@@ -142,6 +150,7 @@ class HivemindChannel:
         """See :class:`FragmentChannel`. A slot is one-shot (no retries: a retry would average buffers
         that the failed attempt already changed)."""
         self._traffic[2] = -1  # unknown until the averager tells
+        self._peers = []
         self._shared["grid"].fill_(grid.TOP_EXPONENT)  # (a grid that carries nothing, until it tells)
         if not self.averager.is_alive():  # step() would wait forever for a dead process
             return None
@@ -168,6 +177,7 @@ class HivemindChannel:
             while budget > 0 and not stop.is_set():
                 try:
                     gathered = control.result(timeout=min(0.5, budget))
+                    self._peers = list(gathered)
                     return {peer: _without_certificate(m) for peer, m in gathered.items()}
                 except FutureTimeout:
                     budget -= 0.5
@@ -187,7 +197,7 @@ class HivemindChannel:
 
     def report(self) -> RoundReport:
         return RoundReport(self._shared["grid"].clone() if self.levels else None, int(self._traffic[2]),
-                           self._shared["failed_mask"])
+                           self._shared["failed_mask"], OutlierBook.read(self._shared["outliers"], self._peers))
 
     def traffic(self) -> tuple[int, int]:
         sent, received = self._traffic[:2].tolist()

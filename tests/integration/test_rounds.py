@@ -21,7 +21,7 @@ from p2p_diloco.algo import grid, outer
 from p2p_diloco.algo.schedule import RoundSlot
 from p2p_diloco.config import OuterConfig
 from p2p_diloco.island.contribution import WEIGHT_UNIT
-from p2p_diloco.lab.faults import CorruptingFormat, Garbage
+from p2p_diloco.lab.faults import AttackingFormat, CorruptingFormat, Garbage
 from p2p_diloco.net.channel import HivemindChannel
 from p2p_diloco.net.dht import start_dht, visible_maddrs
 from tests.doubles import IslandParts
@@ -44,7 +44,7 @@ def member(name, dht, prefix, theta, local, config=CONFIG, **kwargs) -> IslandPa
         return HivemindChannel(dht, shapes=SHAPES, codec=config.codec, ceilings=parts.wire.ceilings,
                                state_provider=lambda: parts.transfer.donate(0), allreduce_timeout=config.allreduce_timeout,
                                prefix=prefix, quorum=2, matchmaking_time=config.matchmaking_time / 2,
-                               request_timeout=config.request_timeout)
+                               request_timeout=config.request_timeout, merge_rule=parts.wire.merge_rule)
 
     member = IslandParts(name, theta, local, shapes=SHAPES, names=NAMES, config=config, open_channel=open_channel,
                          **kwargs)
@@ -196,6 +196,33 @@ def test_a_member_sending_garbage_is_rejected_flagged_and_avoided(group, garbage
     if garbage == "nan":  # the next round: the honest islands meet under a group key x does not use
         events = run_round(a, b, x)
         assert [e["outcome"] for e in events] == ["ok", "ok", "fallback"] and events[0]["members"] == ["a", "b"]
+
+
+def test_an_attacker_within_the_bounds_is_clipped_then_flagged_and_members_stay_identical(group):
+    """One member sends its update reversed at the bound and claims a million times its weight: every
+    value passes the checks, so the round is ok, but the weight cap and CenteredClip keep the result
+    near the honest members' mean, the reducers see the attacker far out, and it is flagged."""
+    config = CONFIG.model_copy(update={"outlier_rounds": 1})  # flagged at the first such round
+    theta = _params(0)
+    attacker = AttackingFormat(config, NAMES, SHAPES, attacks=["flip", "inflate"])
+    local = [_moved(theta, i, 0.01) for i in (1, 2, 3)]
+    a, b, x = group(local, theta, names="abx", wires=[None, None, attacker], config=config)
+    events = run_round(a, b, x)
+    assert [e["outcome"] for e in events] == ["ok"] * 3 and events[0]["members"] == ["a", "b", "x"]
+    assert a.store.hashes == b.store.hashes == x.store.hashes  # one reducer per part: the same bits
+    assert events[0]["outliers"] == events[1]["outliers"] == ["x"] and "x" in a.quarantine and "x" in b.quarantine
+    assert a.quarantine.flagged_reasons() == {"x": "outlier"}
+    deltas = [outer.pseudo_gradient(theta, m) for m in local]
+    honest = outer.weighted_mean(deltas[:2], [1.0, 1.0])
+    flipped = [-torch.sign(d) for d in deltas[2]]
+    capped_mean = outer.weighted_mean([*deltas[:2], flipped], [1.0, 1.0, 2.0])  # the cap alone: 2x the median
+    applied = outer.pseudo_gradient(theta, a.theta)  # = -(lr * Nesterov) of the merged update, first step
+    want, plain = nesterov_step(theta, honest), nesterov_step(theta, capped_mean)
+    error = sum(float((t - w).norm()) for t, w in zip(a.theta, want))
+    assert error < 0.1 * sum(float((p - w).norm()) for p, w in zip(plain, want)), applied
+    # the next round, the honest members meet without it
+    events = run_round(a, b, x)
+    assert [e["outcome"] for e in events] == ["ok", "ok", "fallback"] and events[0]["members"] == ["a", "b"]
 
 
 @pytest.mark.parametrize("lie", [

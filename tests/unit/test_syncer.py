@@ -176,7 +176,8 @@ def test_a_flag_ends_after_its_probation_which_doubles_with_each_strike():
     assert quarantine.group_bits(until + 0.5) == ""  # over: back to the default key, where the others meet x
     assert "x" not in quarantine and [e["event"] for e in events] == ["flag", "unflag"]
     assert quarantine.flag("x", "caught", until + 1.0) == 2 * CONFIG.flag_probation  # caught again: twice as long
-    assert events[-1] == {"event": "flag", "culprit": "x", "how": "caught", "seconds": 2 * CONFIG.flag_probation}
+    assert events[-1] == {"event": "flag", "culprit": "x", "how": "caught", "seconds": 2 * CONFIG.flag_probation,
+                          "reason": "garbage"}
 
 
 def test_islands_that_flagged_the_same_ones_share_group_bits():

@@ -1,0 +1,131 @@
+"""Bounded trust in one round's contributions (docs/DESIGN.md, "Faulty and malicious members";
+docs/SECURITY.md): weight caps, so that no member's claimed weight decides the average, and
+CenteredClip, the robust mean a reducer takes of its part of the members' pseudo-gradients. Pure
+maths on tensors; the averager's reducer (:mod:`p2p_diloco.net.reducer`) and the island's checks
+call it.
+
+Sources: CenteredClip, Karimireddy, He and Jaggi, "Learning from History for Byzantine Robust
+Optimization", arXiv 2012.10333, Alg. 2 (eq. 3); applied per part of an all-reduce as ButterflyClip in
+Gorbunov et al., "Secure Distributed Training at Scale" (BTARD), arXiv 2106.11257, Sec. 3.1.
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+from dataclasses import dataclass
+from typing import Sequence
+
+import torch
+
+AGGREGATORS = ("mean", "centered_clip")
+
+
+def cap_weights(weights: Sequence[float], ratio: float, floor: float = 0.0) -> list[float]:
+    """Each member's weight capped at ``ratio`` times the median weight of the members that weigh
+    more than ``floor`` (listeners, which contribute nothing, do not drag the median down).
+
+    A member that claims an enormous weight (a huge token count) so weighs at most ``ratio`` x the
+    median: among K contributing members of which the others are honest, its share of the round is
+    at most ratio / (ratio + (K - 1) * m_h / m), about 2 / (K + 1) for ratio 2 and equal honest
+    weights: 0.5 of a group of 3, 0.4 of 4, 0.22 of 8. Honest islands of different speeds keep their
+    tokens^2/steps ordering up to the cap (an island twice as fast as the median weighs 2x).
+    Every member computes the same caps from the same gathered metadata.
+
+    :param weights: per member, its claimed weight (finite, >= 0)
+    :param ratio: the cap as a multiple of the median (> 0)
+    :param floor: weights at or below it are not counted in the median
+    :returns: the capped weights, same order
+    :raises ValueError: ratio not positive
+    """
+    if not ratio > 0:
+        raise ValueError(f"ratio must be positive, got {ratio}")
+    counted = [float(w) for w in weights if w > floor]
+    if not counted:
+        return [float(w) for w in weights]
+    cap = ratio * statistics.median(counted)
+    return [min(float(w), cap) for w in weights]
+
+
+@dataclass
+class ClipResult:
+    """One part's CenteredClip.
+
+    :param center: the robust mean, fp32, shape [d]
+    :param distances: per member, ||x_i - center||_2 (float64, shape [n])
+    :param radius: the clipping radius tau used (0.0 when every member sent the same values)
+    :param iterations: fixed-point iterations run
+    """
+
+    center: torch.Tensor
+    distances: torch.Tensor
+    radius: float
+    iterations: int
+
+    def outlier_ratios(self) -> torch.Tensor:
+        """Per member, its distance over the median distance (float64 [n]; 1.0 for all when the
+        median is 0 and so is theirs, inf for one that alone differs)."""
+        median = float(_median(self.distances))
+        if median > 0:
+            return self.distances / median
+        return torch.where(self.distances > 0, torch.full_like(self.distances, math.inf),
+                           torch.ones_like(self.distances))
+
+
+def centered_clip(points: torch.Tensor, weights: torch.Tensor, *, radius_factor: float = 2.0,
+                  iterations: int = 10, tolerance: float = 1e-6) -> ClipResult:
+    """The weighted CenteredClip of ``points``: the fixed point v of
+    v <- v + sum_i w_i clip_tau(x_i - v) / sum_i w_i, with clip_tau(z) = z * min(1, tau / ||z||)
+    (arXiv 2012.10333, eq. 3), started at the coordinate-wise median, with tau = ``radius_factor``
+    x the median of the members' distances to that median (scale-free: no tau to tune per model).
+
+    Honest members, whose distances are alike, are rarely clipped, so an honest round is close to
+    the plain weighted mean; one member far from the others moves the result by at most its share
+    times tau. The start is within the members' per-element range, and each step is a convex
+    combination of v and the points, so every element of the result lies between the members'
+    smallest and largest values of it: the exact-average wire encoding and the low-bit grid's
+    bounds still hold for it. With 2 members or all members equal
+    it is the weighted mean (there is no majority to trust).
+
+    :param points: float32 [n, d], one row per member (n >= 1)
+    :param weights: [n], >= 0 with a positive sum (capped: :func:`cap_weights`)
+    :param radius_factor: tau over the median distance (> 0)
+    :param iterations: at most this many fixed-point steps
+    :param tolerance: stop once a step moves v by less than ``tolerance`` x tau
+    :returns: the center (fp32 [d]), the distances and the radius
+    :raises ValueError: shapes that disagree, no positive weight, radius_factor not positive
+    """
+    if points.dim() != 2 or weights.shape != (points.shape[0],) or points.shape[0] < 1:
+        raise ValueError(f"points must be [n, d] and weights [n], got {tuple(points.shape)} and {tuple(weights.shape)}")
+    if not radius_factor > 0:
+        raise ValueError(f"radius_factor must be positive, got {radius_factor}")
+    x = points.detach().to(torch.float64)
+    w = weights.detach().to(torch.float64).clamp(min=0.0)
+    total = float(w.sum())
+    if not total > 0 or not math.isfinite(total):
+        raise ValueError("weights must have a positive, finite sum")
+    w = w / total
+    if x.shape[0] <= 2:  # no majority: the weighted mean
+        center = (w[:, None] * x).sum(0)
+        return ClipResult(center.to(torch.float32), torch.linalg.vector_norm(x - center, dim=1), 0.0, 0)
+    v = _median(x)
+    tau = radius_factor * float(_median(torch.linalg.vector_norm(x - v, dim=1)))
+    steps = 0
+    if tau > 0:
+        for steps in range(1, iterations + 1):
+            diff = x - v
+            norms = torch.linalg.vector_norm(diff, dim=1)
+            scale = torch.clamp(tau / torch.clamp(norms, min=1e-300), max=1.0)
+            move = ((w * scale)[:, None] * diff).sum(0)
+            v = v + move
+            if float(torch.linalg.vector_norm(move)) <= tolerance * tau:
+                break
+    # (tau == 0: more than half the members sent the same values, and the median is those values)
+    return ClipResult(v.to(torch.float32), torch.linalg.vector_norm(x - v, dim=1), tau, steps)
+
+
+def _median(x: torch.Tensor) -> torch.Tensor:
+    """The coordinate-wise median over dim 0 (the mean of the two middle values for an even count)."""
+    ordered = torch.sort(x, dim=0).values
+    n = ordered.shape[0]
+    return ordered[n // 2] if n % 2 else 0.5 * (ordered[n // 2 - 1] + ordered[n // 2])

@@ -1,0 +1,171 @@
+"""What a member does with the parts it reduces (docs/DESIGN.md, "Faulty and malicious members"):
+in hivemind's all-reduce each member reduces a share of every member's vector. Here the weights it
+uses are the members' gathered claims, capped (:func:`p2p_diloco.algo.robust.cap_weights`), never the
+weight a sender writes into its messages; the merge of each part is the weighted mean or CenteredClip
+(:func:`p2p_diloco.algo.robust.centered_clip`, BTARD's ButterflyClip, arXiv 2106.11257, Sec. 3.1);
+and the reducer notes, per member, in how many of its parts the member was an outlier (its distance
+to the robust center over the median distance), which the island reads as evidence.
+
+hivemind builds one ``AllReduceRunner`` per round, and the runner one ``TensorPartReducer``. In the
+averager process only, :func:`install_runner` makes hivemind's averager build
+:class:`RobustAllReduceRunner` (a subclass that takes one more keyword, ``merge``, and is hivemind's
+runner without it), and the runner builds a :class:`RobustPartReducer` (a subclass that collects the
+parts of the current part index instead of summing them).
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from dataclasses import dataclass
+from typing import Optional, Sequence
+
+import torch
+
+from p2p_diloco.algo import robust
+
+logger = logging.getLogger(__name__)
+
+MAX_MEMBERS = 64  # rows of the outlier book: members of one group beyond it go unrecorded
+MIN_WEIGHT = 1e-12  # a reducer weight never falls below it (listeners: a mean of zero weights is 0/0)
+
+
+@dataclass(frozen=True)
+class MergeRule:
+    """How a run's reducers merge parts; the same for every member (the run's fingerprint covers it).
+
+    :param aggregator: ``mean`` (the weighted mean) or ``centered_clip``
+    :param weight_cap: no member weighs more than this many times the median weight
+    :param radius_factor: CenteredClip's tau over the median distance to the coordinate-wise median
+    :param outlier_ratio: a member whose distance to the center is above this many times the median
+        distance is an outlier in that part
+    """
+
+    aggregator: str = "centered_clip"
+    weight_cap: float = 2.0
+    radius_factor: float = 2.0
+    outlier_ratio: float = 4.0
+
+    def __post_init__(self):
+        if self.aggregator not in robust.AGGREGATORS:
+            raise ValueError(f"aggregator must be one of {robust.AGGREGATORS}, got {self.aggregator!r}")
+
+
+def capped_weights(claims: Sequence, rule: MergeRule) -> list[float]:
+    """The weights of a group's members in its order from their gathered claims: invalid claims (not
+    a finite number >= 0) count as 0 (the island rejects such a round anyway), then the cap."""
+    weights = [float(w) if isinstance(w, (int, float)) and math.isfinite(w) and w >= 0 else 0.0 for w in claims]
+    return robust.cap_weights(weights, rule.weight_cap, floor=MIN_WEIGHT)
+
+
+class OutlierBook:
+    """Per member of the round (in the group's order), parts this member reduced with it and parts in
+    which it was an outlier: float32 [MAX_MEMBERS, 2] in shared memory, written by the averager
+    process, read by the island after the round."""
+
+    def __init__(self, table: torch.Tensor):
+        self.table = table
+
+    @staticmethod
+    def allocate() -> torch.Tensor:
+        return torch.zeros(MAX_MEMBERS, 2, dtype=torch.float32).share_memory_()
+
+    def reset(self) -> None:
+        self.table.zero_()
+
+    def note(self, member: int, outlier: bool) -> None:
+        if 0 <= member < MAX_MEMBERS:
+            self.table[member, 0] += 1.0
+            self.table[member, 1] += float(outlier)
+
+    @staticmethod
+    def read(table: torch.Tensor, peers: Sequence) -> dict:
+        """peer -> (parts reduced with it, parts in which it was an outlier) for ``peers`` in the
+        group's order, those this member reduced at least one part with."""
+        rows = table[:len(peers)].tolist()
+        return {peer: (int(seen), int(out)) for peer, (seen, out) in zip(peers, rows) if seen > 0}
+
+
+class _Collector:
+    """Stands in for hivemind's accumulator tensor of one part: ``add_`` keeps each sender's part and
+    weight, ``div_`` (hivemind calls it once every sender is in) returns the merged part."""
+
+    def __init__(self, reducer: "RobustPartReducer"):
+        self.reducer, self.parts = reducer, []
+
+    def add_(self, part: torch.Tensor, alpha: float = 1.0):
+        self.parts.append((getattr(part, "_p2p_sender", -1), part, float(alpha)))
+        return self
+
+    def div_(self, _denominator: float) -> torch.Tensor:
+        return self.reducer.merge_part(self.parts)
+
+
+def _runner_classes():
+    from hivemind.averaging.allreduce import AllReduceRunner
+    from hivemind.averaging.partition import TensorPartReducer
+
+    class RobustPartReducer(TensorPartReducer):
+        """hivemind's reducer with capped weights per sender (``weights``, by sender index) and a
+        robust merge per part (:class:`MergeRule`); notes outliers in ``book`` by member index."""
+
+        def __init__(self, part_shapes, num_senders: int, *, weights: Sequence[float], members: Sequence[int],
+                     rule: MergeRule, book: Optional[OutlierBook]):
+            self.weights, self.members, self.rule, self.book = list(weights), list(members), rule, book
+            super().__init__(part_shapes, num_senders)
+
+        def reset_accumulators(self):
+            super().reset_accumulators()
+            if not self.finished.is_set():
+                self.accumulator = _Collector(self)
+
+        async def accumulate_part(self, sender_index: int, part_index: int, tensor_part: torch.Tensor,
+                                  weight: float = 1.0) -> torch.Tensor:
+            tensor_part._p2p_sender = sender_index  # which row of the part this is (see _Collector)
+            # the sender's own word on its weight counts only up to its capped gathered claim
+            weight = min(float(weight), max(self.weights[sender_index], MIN_WEIGHT))
+            return await super().accumulate_part(sender_index, part_index, tensor_part, weight=weight)
+
+        def merge_part(self, parts: list) -> torch.Tensor:
+            parts = sorted(parts, key=lambda entry: entry[0])  # the same answer whatever the arrival order
+            points = torch.stack([part.reshape(-1).to(torch.float32) for _, part, _ in parts])
+            weights = torch.tensor([max(w, MIN_WEIGHT) for _, _, w in parts], dtype=torch.float64)
+            shape = parts[0][1].shape
+            result = robust.centered_clip(points, weights, radius_factor=self.rule.radius_factor)
+            if self.book is not None and len(parts) >= 3:  # two members: nothing tells them apart
+                for (sender, _, _), ratio in zip(parts, result.outlier_ratios().tolist()):
+                    if 0 <= sender < len(self.members):
+                        self.book.note(self.members[sender], ratio > self.rule.outlier_ratio)
+            if self.rule.aggregator == "mean":
+                center = (weights / weights.sum()) @ points.to(torch.float64)
+                return center.to(torch.float32).view(shape)
+            return result.center.view(shape)
+
+    class RobustAllReduceRunner(AllReduceRunner):
+        """hivemind's ``AllReduceRunner``; given ``merge`` (the run's rule and the group's capped
+        weights), its reducer is a :class:`RobustPartReducer`."""
+
+        def __init__(self, *, merge: Optional[dict] = None, **kwargs):
+            super().__init__(**kwargs)
+            if merge is None:
+                return
+            members = [self.ordered_peer_ids.index(peer) for peer in self.sender_peer_ids]
+            self.tensor_part_reducer = RobustPartReducer(
+                tuple(part.shape for part in self.parts_for_local_averaging), len(self.sender_peer_ids),
+                weights=[merge["weights"][i] for i in members], members=members, rule=merge["rule"],
+                book=merge.get("book"))
+
+    return RobustAllReduceRunner, RobustPartReducer
+
+
+def install_runner() -> None:
+    """In an averager process only: hivemind's averager builds :class:`RobustAllReduceRunner` (which,
+    without ``merge``, is hivemind's own runner)."""
+    import hivemind.averaging.averager as averager_module
+
+    averager_module.AllReduceRunner = _runner_classes()[0]
+
+
+def reducer_class():
+    """:class:`RobustPartReducer` (for tests that drive it as hivemind's runner does)."""
+    return _runner_classes()[1]

@@ -1,0 +1,94 @@
+"""Weight caps and CenteredClip (p2p_diloco.algo.robust) against reference computations."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+import torch
+
+from p2p_diloco.algo import wire
+from p2p_diloco.algo.robust import cap_weights, centered_clip
+
+
+def reference_centered_clip(x: np.ndarray, w: np.ndarray, factor: float, iterations: int) -> np.ndarray:
+    """arXiv 2012.10333 eq. 3, written out in numpy with a plain loop per member."""
+    w = w / w.sum()
+    v = np.median(x, axis=0)
+    tau = factor * np.median([np.linalg.norm(xi - v) for xi in x])
+    for _ in range(iterations):
+        move = np.zeros_like(v)
+        for xi, wi in zip(x, w):
+            z = xi - v
+            n = np.linalg.norm(z)
+            move += wi * z * (min(1.0, tau / n) if n > 0 else 1.0)
+        v = v + move
+    return v
+
+
+def test_weight_caps_bound_one_claim_and_keep_honest_ratios():
+    assert cap_weights([1.0, 1.0, 1.0, 1e9], 2.0) == [1.0, 1.0, 1.0, 2.0]
+    assert cap_weights([1.0, 2.0, 1.5], 2.0) == [1.0, 2.0, 1.5]  # honest speeds differ: untouched
+    # listeners (nothing to contribute) do not lower the median
+    assert cap_weights([1e-12, 1e-12, 3.0, 5.0], 2.0, floor=1e-12) == [1e-12, 1e-12, 3.0, 5.0]
+    assert cap_weights([0.0, 0.0], 2.0) == [0.0, 0.0]
+    # the share bound of the docstring: 1 inflated member among K - 1 honest ones of equal weight
+    for k in (3, 4, 8):
+        capped = cap_weights([1.0] * (k - 1) + [1e12], 2.0)
+        assert capped[-1] / sum(capped) == pytest.approx(2.0 / (k + 1))
+    with pytest.raises(ValueError, match="ratio"):
+        cap_weights([1.0], 0.0)
+
+
+def test_centered_clip_matches_the_reference():
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(5, 300)).astype(np.float32)
+    x[4] = -40.0 * x[:4].mean(0)  # one attacker, far out
+    w = np.array([1.0, 2.0, 1.0, 1.5, 2.0])
+    got = centered_clip(torch.from_numpy(x), torch.from_numpy(w), radius_factor=2.0, iterations=50, tolerance=0.0)
+    want = reference_centered_clip(x.astype(np.float64), w, 2.0, 50)
+    np.testing.assert_allclose(got.center.numpy(), want, rtol=1e-5, atol=1e-6)
+    ratios = got.outlier_ratios()
+    assert ratios[4] > 5 and bool((ratios[:4] < 2).all())
+    # the attacker moved the result by at most its weight over the honest ones' times tau (the fixed
+    # point's balance while no honest member is clipped), far less than it moved the mean
+    honest = x[:4].astype(np.float64).T @ (w[:4] / w[:4].sum())
+    mean = x.astype(np.float64).T @ (w / w.sum())
+    shift = np.linalg.norm(got.center.numpy() - honest)
+    assert shift <= w[4] / w[:4].sum() * got.radius * 1.01 + 1e-6
+    assert shift < 0.2 * np.linalg.norm(mean - honest)
+
+
+def test_edge_cases_two_members_all_equal_one_huge():
+    two = torch.tensor([[1.0, 2.0], [3.0, -2.0]])
+    result = centered_clip(two, torch.tensor([1.0, 3.0]))
+    assert torch.allclose(result.center, torch.tensor([2.5, -1.0]))  # the weighted mean: no majority
+    same = torch.full((4, 7), 0.25)
+    result = centered_clip(same, torch.ones(4))
+    assert result.radius == 0.0 and torch.equal(result.center, same[0])
+    assert torch.equal(result.outlier_ratios(), torch.ones(4, dtype=torch.float64))
+    # three agree exactly, one is huge: the answer is theirs, whatever its weight
+    huge = torch.cat([torch.full((3, 5), 0.5), torch.full((1, 5), 1e30)])
+    result = centered_clip(huge, torch.tensor([1.0, 1.0, 1.0, 1e6]))
+    assert torch.equal(result.center, torch.full((5,), 0.5)) and math.isinf(float(result.outlier_ratios()[3]))
+    with pytest.raises(ValueError, match="positive"):
+        centered_clip(two, torch.zeros(2))
+    with pytest.raises(ValueError, match=r"\[n, d\]"):
+        centered_clip(two, torch.ones(3))
+
+
+def test_the_result_stays_within_the_members_range_so_wire_averages_stay_exact():
+    """Every element between the members' smallest and largest: on the exact-average encoding
+    (C + Delta), y_i + (v - y_i) == v in fp32 for each member, so members end bit-identical."""
+    rng = np.random.default_rng(1)
+    max_delta = 0.5
+    c = wire.wire_offset(max_delta)
+    deltas = torch.from_numpy(rng.uniform(-max_delta, max_delta, size=(6, 4096)).astype(np.float32))
+    deltas[5] = max_delta  # at the bound
+    y = deltas + c
+    result = centered_clip(y, torch.tensor([1.0, 1.0, 2.0, 1.0, 1.0, 50.0]))
+    v = result.center
+    assert bool((v >= y.min(0).values).all()) and bool((v <= y.max(0).values).all())
+    for row in y:
+        assert torch.equal(row + (v - row), v)
