@@ -145,7 +145,7 @@ class OuterConfig(_Section):
         "times a radius; docs/SECURITY.md)",
     )
     weight_cap: float = Field(
-        2.0, ge=1.0, description="no member weighs more in a round than this many times the median member's "
+        1.5, ge=1.0, description="no member weighs more in a round than this many times the median member's "
         "weight, whatever it claims (docs/SECURITY.md)",
     )
     clip_radius: float = Field(
@@ -154,7 +154,7 @@ class OuterConfig(_Section):
     )
     outlier_ratio: float = Field(
         4.0, gt=1.0, description="a member whose pseudo-gradient is farther from the merged one than this many "
-        "times the median member's distance is an outlier in that part",
+        "times the median member's distance is an outlier in that part, and left out of it (with 3 or more members)",
     )
     outlier_rounds: int = Field(
         3, ge=1, le=8, description="flag a member that was an outlier in most of the parts it sent us in this "

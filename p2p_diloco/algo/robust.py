@@ -26,11 +26,12 @@ def cap_weights(weights: Sequence[float], ratio: float, floor: float = 0.0) -> l
     more than ``floor`` (listeners, which contribute nothing, do not drag the median down).
 
     A member that claims an enormous weight (a huge token count) so weighs at most ``ratio`` x the
-    median: among K contributing members of which the others are honest, its share of the round is
-    at most ratio / (ratio + (K - 1) * m_h / m), about 2 / (K + 1) for ratio 2 and equal honest
-    weights: 0.5 of a group of 3, 0.4 of 4, 0.22 of 8. Honest islands of different speeds keep their
-    tokens^2/steps ordering up to the cap (an island twice as fast as the median weighs 2x).
-    Every member computes the same caps from the same gathered metadata.
+    median: among K contributing members whose K - 1 others are honest and weigh alike, its share of
+    the round is at most r / (r + K - 1): for the default r = 1.5 (``outer.weight_cap``), 0.43 of a
+    group of 3, 0.33 of 4, 0.18 of 8, never more than 1.5x a fair 1/K share plus the median's own
+    shift. Honest islands keep their tokens^2/steps ordering up to the cap: an island 1.5x the
+    median's speed weighs 1.5x, a faster one no more (the price of the bound). Every member computes
+    the same caps from the same gathered metadata.
 
     :param weights: per member, its claimed weight (finite, >= 0)
     :param ratio: the cap as a multiple of the median (> 0)

@@ -1,10 +1,11 @@
 """What a member does with the parts it reduces (docs/DESIGN.md, "Faulty and malicious members"):
 in hivemind's all-reduce each member reduces a share of every member's vector. Here the weights it
 uses are the members' gathered claims, capped (:func:`p2p_diloco.algo.robust.cap_weights`), never the
-weight a sender writes into its messages; the merge of each part is the weighted mean or CenteredClip
-(:func:`p2p_diloco.algo.robust.centered_clip`, BTARD's ButterflyClip, arXiv 2106.11257, Sec. 3.1);
-and the reducer notes, per member, in how many of its parts the member was an outlier (its distance
-to the robust center over the median distance), which the island reads as evidence.
+weight a sender writes into its messages; the merge of each part (:func:`merge_points`) is the weighted
+mean or CenteredClip (:func:`p2p_diloco.algo.robust.centered_clip`, BTARD's ButterflyClip, arXiv
+2106.11257, Sec. 3.1) without the senders that are far off; and the reducer notes, per member, in how
+many of its parts the member was an outlier (its distance to the robust center over the median
+distance), which the island reads as evidence.
 
 hivemind builds one ``AllReduceRunner`` per round, and the runner one ``TensorPartReducer``. In the
 averager process only, :func:`install_runner` makes hivemind's averager build
@@ -42,7 +43,7 @@ class MergeRule:
     """
 
     aggregator: str = "centered_clip"
-    weight_cap: float = 2.0
+    weight_cap: float = 1.5
     radius_factor: float = 2.0
     outlier_ratio: float = 4.0
 
@@ -101,6 +102,42 @@ class _Collector:
         return self.reducer.merge_part(self.parts)
 
 
+def merge_points(points: torch.Tensor, weights: torch.Tensor, rule: MergeRule) -> tuple[torch.Tensor, list]:
+    """A reducer's merge of one part (docs/SECURITY.md, "Robust merging").
+
+    Listeners (weight at most :data:`MIN_WEIGHT`: nothing to contribute) are left out of it. Among
+    the contributors, CenteredClip gives each one's distance to the robust center over the median
+    distance; with 3 or more, those above ``rule.outlier_ratio`` (far off: a reversed or noisy update at
+    the bound) are left out too, and the rest are merged again. With ``mean`` the merge is the
+    weighted mean of everyone (outliers are still measured, for detection).
+
+    :param points: float32 [n, d], one row per sender
+    :param weights: float64 [n], the senders' capped weights
+    :returns: the merged part (float32 [d]; every element within the senders' range of it) and, per
+        sender, its distance ratio (None for listeners, and when fewer than 3 contributed: nothing
+        tells 2 apart)
+    """
+    floor = weights.clamp(min=MIN_WEIGHT)
+    contributors = (weights > MIN_WEIGHT).nonzero().flatten()
+    if rule.aggregator == "mean" or len(contributors) == 0:
+        mean = ((floor / floor.sum()) @ points.to(torch.float64)).to(torch.float32)
+    ratios: list = [None] * points.shape[0]
+    if len(contributors) == 0:
+        return mean, ratios
+    first = robust.centered_clip(points[contributors], weights[contributors], radius_factor=rule.radius_factor)
+    if len(contributors) < 3:
+        return (mean if rule.aggregator == "mean" else first.center), ratios
+    measured = first.outlier_ratios()
+    for index, ratio in zip(contributors.tolist(), measured.tolist()):
+        ratios[index] = ratio
+    if rule.aggregator == "mean":
+        return mean, ratios
+    keep = contributors[measured <= rule.outlier_ratio]
+    if len(keep) == len(contributors) or len(keep) == 0:
+        return first.center, ratios
+    return robust.centered_clip(points[keep], weights[keep], radius_factor=rule.radius_factor).center, ratios
+
+
 def _runner_classes():
     from hivemind.averaging.allreduce import AllReduceRunner
     from hivemind.averaging.partition import TensorPartReducer
@@ -127,19 +164,16 @@ def _runner_classes():
             return await super().accumulate_part(sender_index, part_index, tensor_part, weight=weight)
 
         def merge_part(self, parts: list) -> torch.Tensor:
+            """One part's merge: :func:`merge_points` of the senders' parts, by sender index."""
             parts = sorted(parts, key=lambda entry: entry[0])  # the same answer whatever the arrival order
             points = torch.stack([part.reshape(-1).to(torch.float32) for _, part, _ in parts])
-            weights = torch.tensor([max(w, MIN_WEIGHT) for _, _, w in parts], dtype=torch.float64)
-            shape = parts[0][1].shape
-            result = robust.centered_clip(points, weights, radius_factor=self.rule.radius_factor)
-            if self.book is not None and len(parts) >= 3:  # two members: nothing tells them apart
-                for (sender, _, _), ratio in zip(parts, result.outlier_ratios().tolist()):
-                    if 0 <= sender < len(self.members):
+            weights = torch.tensor([w for _, _, w in parts], dtype=torch.float64)
+            merged, ratios = merge_points(points, weights, self.rule)
+            if self.book is not None:
+                for (sender, _, _), ratio in zip(parts, ratios):
+                    if ratio is not None and 0 <= sender < len(self.members):
                         self.book.note(self.members[sender], ratio > self.rule.outlier_ratio)
-            if self.rule.aggregator == "mean":
-                center = (weights / weights.sum()) @ points.to(torch.float64)
-                return center.to(torch.float32).view(shape)
-            return result.center.view(shape)
+            return merged.view(parts[0][1].shape)
 
     class RobustAllReduceRunner(AllReduceRunner):
         """hivemind's ``AllReduceRunner``; given ``merge`` (the run's rule and the group's capped

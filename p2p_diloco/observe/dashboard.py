@@ -155,7 +155,8 @@ class SwarmCollector:
     ``island`` (its row key), ``device``) ``p2p_diloco_island_<metric>`` for every name of
     :data:`records.METRICS`, ``p2p_diloco_island_up`` (0 once departed) and
     ``p2p_diloco_island_last_seen_seconds``; for the swarm ``p2p_diloco_swarm_islands_alive``,
-    ``_tokens_per_second``, ``_tokens`` (so far), ``_goodput``, ``_rounds_ok``, ``_rounds_failed``.
+    ``_tokens_per_second``, ``_tokens`` (so far), ``_goodput``, ``_rounds_ok``, ``_rounds_failed``,
+    ``_peers_refused`` and ``_island_flagged`` (1 per flagged island, labels ``island`` and ``reason``).
     All are gauges: an island's counts restart with it."""
 
     def __init__(self, history: SwarmHistory):
@@ -191,6 +192,10 @@ class SwarmCollector:
         ):
             if totals.get(key) is not None:
                 gauge(metric, doc, ["run_id"]).add_metric([run_id], float(totals[key]))
+        flagged = gauge("swarm_island_flagged", "1 for each island the live islands flagged, with why (docs/SECURITY.md)",
+                        ["run_id", "island", "reason"])
+        for name, reason in totals.get("flag_reasons", {}).items():
+            flagged.add_metric([run_id, name, reason], 1.0)
         yield from families.values()
 
 

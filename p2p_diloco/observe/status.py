@@ -44,11 +44,26 @@ def swarm_snapshot(records: list[IslandProgress], run_id: str, now: float | None
         "bytes_per_token": round(sum(r.bytes_sent for r in records) / tokens, 3) if tokens else None,
         "peak_bytes_per_step": max((r.peak_bytes_per_step for r in records), default=0),
         "flagged": sorted({name for r in records for name in r.flagged}),
+        "flag_reasons": flag_reasons(records),  # flagged island -> why (what its flaggers caught)
         "refused": len({peer for r in records for peer in r.refused}),  # peers refused admission
         "max_clock_offset": round(max((abs(r.clock_offset) for r in records), default=0.0), 3),  # seconds
         "behind_nat": sum(r.reachability == "nat" for r in records),  # client-mode members nobody can dial
     }
     return {"run_id": run_id, "time": now, "islands": islands, "totals": totals}
+
+
+def flag_reasons(records: list[IslandProgress]) -> dict[str, str]:
+    """Each flagged island -> why, as the islands that caught it say (``garbage``, ``outlier``; several
+    joined by '/'); ``adopted`` only when every island that flagged it took the others' word."""
+    reasons: dict[str, set] = {}
+    for record in records:
+        for name in record.flagged:
+            reasons.setdefault(name, set()).add(record.flag_reasons.get(name, "garbage"))
+    return {name: "/".join(sorted(found - {"adopted"}) or ["adopted"]) for name, found in sorted(reasons.items())}
+
+
+def _with_reason(name: str, reasons: dict) -> str:
+    return f"{name} ({reasons[name]})" if name in reasons else name
 
 
 def render_table(snapshot: dict):
@@ -59,7 +74,9 @@ def render_table(snapshot: dict):
         return "-" if value is None else pattern.format(value)
 
     totals = snapshot["totals"]
-    flagged = f"; flagged as faulty: {', '.join(totals['flagged'])}" if totals["flagged"] else ""
+    reasons = totals.get("flag_reasons", {})
+    flagged = (f"; flagged as faulty: {', '.join(_with_reason(name, reasons) for name in totals['flagged'])}"
+               if totals["flagged"] else "")
     flagged += f"; {totals['refused']} peers refused admission" if totals.get("refused") else ""
     table = Table(
         title=f"run {snapshot['run_id']}: {totals['islands']} islands, {totals['tokens'] / 1e6:.2f}M tokens, "
@@ -78,7 +95,9 @@ def render_table(snapshot: dict):
             f"{r['tokens'] / 1e6:.2f}M", f"{r['tokens_per_second']:,.0f}", fmt(r["loss"]), fmt(r["eval_loss"]),
             ",".join(map(str, r["fragment_versions"])), f"{r['rounds_ok']}/{r['rounds_failed']}",
             f"{r['utilization']:.3f}", fmt(r["bytes_per_token"], "{:,.1f}"), f"{r['peak_bytes_per_step']:,}",
-            f"{r.get('clock_offset') or 0.0:+.2f}s", NETWORK.get(r.get("reachability"), "?"), f"{r['last_seen_s']:.0f}s", ",".join(r["flagged"]) or "-",
+            f"{r.get('clock_offset') or 0.0:+.2f}s", NETWORK.get(r.get("reachability"), "?"), f"{r['last_seen_s']:.0f}s",
+            ", ".join(_with_reason(name, {name: r.get("flag_reasons", {}).get(name, "garbage")}) for name in r["flagged"])
+            or "-",
         )
     return table
 

@@ -184,20 +184,53 @@ def _wandb_history(folder: Path) -> list[dict]:
 
 
 def _events(swarm, name: str) -> list[dict]:
-    return [json.loads(line) for line in swarm.events_path(name).read_text().splitlines() if line.strip()]
+    path = swarm.events_path(name)
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()] if path.exists() else []
 
 
 def _island(url: str, name: str) -> dict | None:
     return next((i for i in _json(url)["islands"] if i["island"] == name), None)
 
 
-def test_a_killed_island_departs_then_drops_and_a_stopped_one_withdraws_leaving_its_logs(swarm):
+def _evals(swarm, name: str) -> list[dict]:
+    return [e for e in _events(swarm, name) if e.get("event") == "eval"]
+
+
+def test_an_attacker_is_flagged_and_shown_then_killed_departs_and_a_stopped_island_withdraws_leaving_its_logs(swarm):
+    """"victim" sends its updates reversed at the bound and claims a million times its weight (every
+    value within the protocol's bounds: docs/SECURITY.md). The honest islands' eval loss still falls,
+    they flag it as an outlier, and the dashboard shows why. Then it is SIGKILLed (departed, then
+    dropped) while "quitter" is stopped cleanly (withdrawn) after logging to W&B and TensorBoard."""
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
     logging = ["--wandb-project", "itest", "--wandb-mode", "offline", "--tensorboard-dir", str(swarm.workdir / "tb")]
-    swarm.start_island("victim", *FAST, "--data-shard-index", "2")
+    # the honest islands' eval loss before it came
+    before = wait_for(lambda: all(_evals(swarm, n) for n in ISLANDS) and {n: _evals(swarm, n)[-1] for n in ISLANDS},
+                      timeout=120, message="the honest islands' evals")
+    swarm.start_island("victim", *FAST, "--data-shard-index", "2", "--debug-attack", "flip+inflate")
     swarm.start_island("quitter", *FAST, "--data-shard-index", "3", *logging)
     wait_for(lambda: _training(swarm.dashboard_url, ["victim", "quitter"]), timeout=120, message="both training")
+    reasons = wait_for(lambda: (r := _json(swarm.dashboard_url)["totals"]["flag_reasons"]).get("victim") and r,
+                       timeout=90, message="the attacker flagged")
+    assert reasons == {"victim": "outlier"}, reasons
+    flags = [e for name in ISLANDS for e in _events(swarm, name) if e.get("event") == "flag"]
+    assert {(e["culprit"], e["reason"]) for e in flags} <= {("victim", "outlier"), ("victim", "adopted")}, flags
+    flagged = {s.labels["island"]: s.labels["reason"] for s in
+               _metrics(swarm.dashboard_url)["p2p_diloco_swarm_island_flagged"].samples}
+    assert flagged == {"victim": "outlier"}
+    with browser.chromium() as page:
+        page.goto(swarm.dashboard_url)
+        page.wait_for_function("window.dashboard && window.dashboard.updates >= 1", timeout=30_000)
+        assert page.text_content("#t-flagged") == "victim (outlier)"
+    # its rounds with the honest islands were ok (every value passed the checks), and their eval loss fell
+    after = wait_for(lambda: all(_evals(swarm, n)[-1]["t"] > max(e["t"] for e in flags) for n in ISLANDS)
+                     and {n: _evals(swarm, n)[-1] for n in ISLANDS}, timeout=60, message="evals after the flag")
+    attacked = [e for name in ISLANDS for e in _events(swarm, name)
+                if e.get("event") == "round" and "victim" in e.get("members", [])]
+    assert attacked and all(e["outcome"] == "ok" for e in attacked)
+    print("eval loss before the attacker, after it was flagged:",
+          {n: (before[n]["eval_loss"], after[n]["eval_loss"]) for n in ISLANDS}, f"{len(attacked)} rounds with it")
+    assert all(after[n]["eval_loss"] < before[n]["eval_loss"] for n in ISLANDS)
     swarm.islands["victim"].signal(signal.SIGKILL)
     killed = time.monotonic()
     quitter = swarm.islands["quitter"]

@@ -37,6 +37,8 @@ def test_weight_caps_bound_one_claim_and_keep_honest_ratios():
     for k in (3, 4, 8):
         capped = cap_weights([1.0] * (k - 1) + [1e12], 2.0)
         assert capped[-1] / sum(capped) == pytest.approx(2.0 / (k + 1))
+        capped = cap_weights([1.0] * (k - 1) + [1e12], 1.5)
+        assert capped[-1] / sum(capped) == pytest.approx(1.5 / (1.5 + k - 1))
     with pytest.raises(ValueError, match="ratio"):
         cap_weights([1.0], 0.0)
 
@@ -92,3 +94,27 @@ def test_the_result_stays_within_the_members_range_so_wire_averages_stay_exact()
     assert bool((v >= y.min(0).values).all()) and bool((v <= y.max(0).values).all())
     for row in y:
         assert torch.equal(row + (v - row), v)
+
+
+def test_a_reducer_leaves_out_listeners_and_far_outliers_and_bounds_the_rest():
+    from p2p_diloco.net.reducer import MIN_WEIGHT, MergeRule, merge_points
+
+    rng = np.random.default_rng(2)
+    common = rng.normal(size=512)
+    honest = [common + 0.5 * rng.normal(size=512) for _ in range(3)]
+    attacker = -10.0 * np.sign(common)  # reversed, at a bound far beyond the honest updates
+    listener = np.zeros(512)
+    points = torch.tensor(np.stack([*honest, attacker, listener]), dtype=torch.float32)
+    weights = torch.tensor([1.0, 1.0, 1.0, 1.5, MIN_WEIGHT], dtype=torch.float64)
+    want = torch.tensor(np.mean(honest, axis=0), dtype=torch.float32)
+    merged, ratios = merge_points(points, weights, MergeRule())
+    assert ratios[4] is None and ratios[3] > 4 and all(r < 2 for r in ratios[:3])
+    # the attacker is left out: CenteredClip of the honest three, close to their mean
+    assert float((merged - want).norm()) < 0.05 * float(want.norm())
+    assert bool((merged >= points[:4].min(0).values).all()) and bool((merged <= points[:4].max(0).values).all())
+    mean, mean_ratios = merge_points(points, weights, MergeRule(aggregator="mean"))
+    assert mean_ratios == ratios and float((mean - want).norm()) > 2 * float(want.norm())  # measured, not defended
+    # two contributors and a listener: nothing tells them apart, the weighted mean of the two
+    pair, pair_ratios = merge_points(points[[0, 3, 4]], weights[[0, 3, 4]], MergeRule())
+    torch.testing.assert_close(pair, (points[0] + 1.5 * points[3]) / 2.5)
+    assert pair_ratios == [None, None, None]

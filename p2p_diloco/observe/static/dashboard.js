@@ -85,6 +85,9 @@ function clock(offset) {
 // how the island takes part in rounds (docs/DESIGN.md, "Islands behind NAT")
 const NETWORK = { public: "public", nat: "NAT (client)", client: "client", unknown: "?" };
 
+// why the others flagged an island ("-" when nobody did): docs/SECURITY.md
+let FLAGS = {};
+
 function row(island) {
   const tr = document.createElement("tr");
   tr.dataset.island = island.key;
@@ -95,6 +98,7 @@ function row(island) {
     tokens(island.tokens), big(island.tokens_per_second), fmt(island.loss), fmt(island.eval_loss),
     island.fragment_versions.join(","), `${island.rounds_ok}/${island.rounds_failed}`, fmt(island.utilization),
     fmt(island.bytes_per_token, 1), clock(island.clock_offset), NETWORK[island.reachability] || "?", seen,
+    FLAGS[island.key] || "-",
   ];
   cells.forEach((text, i) => {
     const td = document.createElement("td");
@@ -120,6 +124,9 @@ function render(status) {
   $("t-rounds").textContent = `${t.rounds_ok} / ${t.rounds_failed}`;
   $("t-bytes").textContent = fmt(t.bytes_per_token, 1);
   $("t-refused").textContent = t.refused ?? "-";
+  FLAGS = t.flag_reasons || {};
+  const flagged = Object.keys(FLAGS).sort();
+  $("t-flagged").textContent = flagged.length ? flagged.map((name) => `${name} (${FLAGS[name]})`).join(", ") : "-";
   const names = Object.keys(status.history.islands).sort();
   const body = document.querySelector("#islands tbody");
   names.forEach(colorOf);
