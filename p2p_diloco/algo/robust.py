@@ -130,3 +130,45 @@ def _median(x: torch.Tensor) -> torch.Tensor:
     ordered = torch.sort(x, dim=0).values
     n = ordered.shape[0]
     return ordered[n // 2] if n % 2 else 0.5 * (ordered[n // 2 - 1] + ordered[n // 2])
+
+
+def reducer_agreement(merged: Sequence[torch.Tensor], sent: Sequence[torch.Tensor],
+                      reducer_of: torch.Tensor) -> dict[int, float]:
+    """Per reducer, the cosine between the merged values it returned and the values this member sent
+    for the elements it reduced (docs/SECURITY.md, "Lying reducers").
+
+    Every reducer merges a slice of the same members' updates, so an honest reducer's slice of the
+    result agrees with our slice about as much as every other reducer's does (our own update is one
+    of the members it merged); a reducer that returns the average reversed, or anything unrelated to
+    what the members sent, agrees far less.
+
+    :param merged: the round's merged values per tensor (value space), fp32
+    :param sent: what this member sent per tensor (value space), same shapes
+    :param reducer_of: int16 [numel] in fragment order: which member (group index) reduced each
+        element, -1 where unknown
+    :returns: group index -> cosine, for reducers of elements where we sent something nonzero
+    """
+    flat_merged = torch.cat([t.reshape(-1) for t in merged]).to(torch.float64)
+    flat_sent = torch.cat([t.reshape(-1) for t in sent]).to(torch.float64)
+    if reducer_of.numel() != flat_merged.numel():
+        return {}
+    result = {}
+    for index in sorted(set(reducer_of.unique().tolist()) - {-1}):
+        where = reducer_of == index
+        a, b = flat_merged[where], flat_sent[where]
+        norms = float(torch.linalg.vector_norm(a)) * float(torch.linalg.vector_norm(b))
+        if norms > 0 and math.isfinite(norms):
+            result[int(index)] = float(a @ b) / norms
+    return result
+
+
+def disagreeing(agreement: dict[int, float], *, floor: float = 0.2, fraction: float = 0.25) -> list[int]:
+    """The reducers whose agreement (:func:`reducer_agreement`) is below ``fraction`` x the median
+    agreement, when there are 3 or more and the median is at least ``floor`` (otherwise the round
+    gives no signal: updates that do not correlate, a listener)."""
+    if len(agreement) < 3:
+        return []
+    median = statistics.median(agreement.values())
+    if median < floor:
+        return []
+    return sorted(index for index, value in agreement.items() if value < fraction * median)

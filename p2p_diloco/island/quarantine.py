@@ -41,7 +41,7 @@ class Quarantine:
         self.reasons: dict[str, str] = {}  # island -> why it was flagged last
         self.strikes: dict[str, int] = {}  # times each island was flagged
         self.outlier_rounds = outlier_rounds
-        self._outliers: dict[str, deque] = {}  # island -> its last 2n - 1 rounds with us: outlier or not
+        self._outliers: dict[tuple, deque] = {}  # (island, kind) -> its last 2n - 1 rounds with us: outlier or not
         self._lock = threading.Lock()  # round threads catch, the reporter's thread adopts
 
     def __contains__(self, island: str) -> bool:
@@ -53,7 +53,7 @@ class Quarantine:
             return sorted(self.flagged)
 
     def flagged_reasons(self) -> dict[str, str]:
-        """The islands flagged now -> why (``garbage``, ``outlier``, ``adopted``)."""
+        """The islands flagged now -> why (``garbage``, ``outlier``, ``reducer``, ``adopted``)."""
         with self._lock:
             return {island: self.reasons.get(island, "garbage") for island in sorted(self.flagged)}
 
@@ -61,15 +61,16 @@ class Quarantine:
         """Keep ``island`` out of our rounds for its probation, from wall-clock time ``now``.
 
         :param how: ``caught`` (by one of our rounds) or ``adopted`` (from the other islands' word)
-        :param reason: what it was caught doing: ``garbage`` (NaN, Inf, out of bounds, lying metadata)
-            or ``outlier`` (:meth:`note_outlier`); adopted flags say ``adopted``
+        :param reason: what it was caught doing: ``garbage`` (NaN, Inf, out of bounds, lying metadata),
+            ``outlier`` or ``reducer`` (:meth:`note_outlier`); adopted flags say ``adopted``
         :returns: the probation in seconds, or 0 if it is flagged already
         """
         with self._lock:
             if island in self.flagged:
                 return 0.0
             self.reasons[island] = reason if how == "caught" else "adopted"
-            self._outliers.pop(island, None)  # a fresh record after its probation
+            for kind in ("outlier", "reducer"):  # a fresh record after its probation
+                self._outliers.pop((island, kind), None)
             self.strikes[island] = self.strikes.get(island, 0) + 1
             seconds = self.probation * 2.0 ** min(self.strikes[island] - 1, 16)
             # halfway between two rounds' checks (made check_lead before each slot)
@@ -79,11 +80,14 @@ class Quarantine:
                      "reason": self.reasons[island]})
         return seconds
 
-    def note_outlier(self, island: str, outlier: bool, now: float) -> float:
-        """One more round of ``island`` with us: whether it was an outlier in most of the parts we
-        reduced (:class:`p2p_diloco.net.reducer.OutlierBook`). An outlier in n of its last 2n - 1
-        such rounds is flagged (reason ``outlier``): one odd round (a fresh joiner's first update, a
-        spike in the loss) is not enough, a member that sends far-off updates round after round is.
+    def note_outlier(self, island: str, outlier: bool, now: float, kind: str = "outlier") -> float:
+        """One more round of ``island`` with us: whether it was an outlier. ``kind`` ``outlier``: in
+        most of the parts we reduced, its update was far from the others'
+        (:class:`p2p_diloco.net.reducer.OutlierBook`); ``reducer``: the parts it reduced for us
+        disagreed with what we sent far more than the other reducers' did
+        (:func:`p2p_diloco.algo.robust.disagreeing`). An outlier of a kind in n of its last 2n - 1
+        rounds is flagged with that kind as its reason: one odd round (a fresh joiner's first
+        update, a spike in the loss) is not enough, a member that does it round after round is.
 
         :returns: the probation in seconds if this flagged it, else 0
         """
@@ -92,10 +96,10 @@ class Quarantine:
         with self._lock:
             if island in self.flagged:
                 return 0.0
-            window = self._outliers.setdefault(island, deque(maxlen=2 * self.outlier_rounds - 1))
+            window = self._outliers.setdefault((island, kind), deque(maxlen=2 * self.outlier_rounds - 1))
             window.append(bool(outlier))
             caught = sum(window) >= self.outlier_rounds
-        return self.flag(island, "caught", now, reason="outlier") if caught else 0.0
+        return self.flag(island, "caught", now, reason=kind) if caught else 0.0
 
     def expire(self, now: float) -> list[str]:
         """End the probations that are over at ``now``; returns those islands (they may join again)."""

@@ -17,7 +17,7 @@ from typing import Optional
 
 import torch
 
-from p2p_diloco.algo import outer
+from p2p_diloco.algo import outer, robust
 from p2p_diloco.algo.clock import SwarmClock
 from p2p_diloco.algo.handoff import Snapshot
 from p2p_diloco.algo.schedule import RoundSlot
@@ -129,6 +129,8 @@ class OuterRound:
         culprits = self.wire.misreporting(members, self.island)
         if culprits or not self.wire.valid_result(merged, exponents):
             return self._reject(members, culprits, mine, figures)
+        if mine.weight > 0:  # a listener sent nothing to compare with
+            self._weigh_reducers(merged, sent, report, gathered, figures)
         masks = self.wire.unaveraged(merged, sent, members, mine.weight, report.failed, report.failed_mask)
         if masks is not None:
             figures["unaveraged"] = self.wire.drop_unaveraged(merged, sent, masks)
@@ -179,6 +181,29 @@ class OuterRound:
                 logger.error("island %s sent pseudo-gradients far from the others' round after round: flagged, its "
                              "rounds are avoided for %.0f s", island, seconds)
         figures["outliers"] = sorted(far)
+
+    def _weigh_reducers(self, merged: list[torch.Tensor], sent: list[torch.Tensor], report, gathered: dict,
+                        figures: dict) -> None:
+        """Note, for each member that reduced parts for us, whether the merged values it returned
+        agree with what we sent far less than the other reducers' do (a reducer that reverses or
+        replaces the average: docs/SECURITY.md); one that does, round after round, is flagged."""
+        if report.reducers is None or not report.peers:
+            return
+        agreement = robust.reducer_agreement(merged, sent, report.reducers)
+        suspects = set(robust.disagreeing(agreement))
+        far = []
+        for index in agreement:
+            member = gathered.get(report.peers[index]) if index < len(report.peers) else None
+            island = member.get("island") if isinstance(member, dict) else None
+            if not isinstance(island, str) or island == self.island:
+                continue
+            if index in suspects:
+                far.append(island)
+            seconds = self.quarantine.note_outlier(island, index in suspects, self.clock.now(), kind="reducer")
+            if seconds:
+                logger.error("island %s returned averages that disagree with what the members sent, round after "
+                             "round: flagged, its rounds are avoided for %.0f s", island, seconds)
+        figures["suspect_reducers"] = sorted(far)
 
     def _reject(self, members: list[dict], culprits: list[str], mine: Contribution, figures: dict) -> RoundOutcome:
         """A member sent NaN, Inf, unclipped values or lied in its metadata: the round's result is not

@@ -20,13 +20,15 @@ import signal
 import sys
 import threading
 import time
+from dataclasses import dataclass, fields
 from typing import Literal, Sequence
 
 import torch
 from pydantic import Field, model_validator
 
+from p2p_diloco.algo import outer, wire
 from p2p_diloco.config import PeerConfig, _Section
-from p2p_diloco.algo import outer
+from p2p_diloco.net.reducer import MergeRule
 from p2p_diloco.island.contribution import Contribution, RoundFormat
 from p2p_diloco.island.learner import Learner
 from p2p_diloco.island.builder import IslandBuilder
@@ -36,7 +38,7 @@ logger = logging.getLogger(__name__)
 
 GARBAGE = {"nan": float("nan"), "inf": float("inf"), "huge": 1e30}
 # attacks that stay within the protocol's bounds (AttackingFormat)
-ATTACKS = ("inflate", "flip", "noise", "bias", "replay")
+ATTACKS = ("inflate", "flip", "noise", "bias", "replay", "lying_reducer")
 INFLATION = 1e6  # "inflate": the weight claimed, times the honest one
 NOISE_SCALE = 10.0  # "noise": Gaussian noise of this many standard deviations of the honest update
 BIAS_SCALE = 1.0  # "bias": a fixed direction of this many standard deviations of the honest update
@@ -74,6 +76,8 @@ class DebugConfig(_Section):
         unknown = [kind for kind in self.attacks if kind not in ATTACKS]
         if unknown:
             raise ValueError(f"debug.attack: unknown {', '.join(unknown)}; use {', '.join(ATTACKS)} joined by '+'")
+        if "lying_reducer" in self.attacks and len(self.attacks) > 1:
+            raise ValueError("debug.attack: lying_reducer cannot be combined with other attacks")
         return self
 
     @property
@@ -141,6 +145,8 @@ class AttackingFormat(RoundFormat):
     - ``bias``: adds BIAS_SCALE standard deviations along one fixed random direction, every round
       (small and consistent: "A Little Is Enough", Baruch et al., arXiv 1902.06156);
     - ``replay``: sends its first update again in every later round (a stale contribution).
+
+    (``lying_reducer``, the attack on the parts it reduces, is :class:`LyingReducerFormat`.)
     """
 
     def __init__(self, *args, attacks: Sequence[str], seed: int = 0, **kwargs):
@@ -166,6 +172,30 @@ class AttackingFormat(RoundFormat):
         values, norms = outer.wire_values(attacked, self.rda)
         weight = honest.weight * (INFLATION if "inflate" in self.attacks else 1.0)
         return Contribution(attacked, values, norms, weight, honest.clipped)
+
+
+@dataclass(frozen=True)
+class LyingMergeRule(MergeRule):
+    """A reducer that returns every part it reduces reversed: ``2 C - A`` on the fp32 wire, whose
+    values are ``C + Delta`` (:func:`p2p_diloco.algo.wire.encode_for_wire`), so the members apply
+    ``-mean(Delta)`` there. Within the bounds, the same on every member (no check of the result's
+    range can catch it). Plain fp32 rounds with the mean merge only (``offset`` is C)."""
+
+    offset: float = 0.0
+
+    def finish(self, merged: torch.Tensor) -> torch.Tensor:
+        return (2.0 * self.offset - merged.to(torch.float64)).to(torch.float32)
+
+
+class LyingReducerFormat(RoundFormat):
+    """A round format whose member is honest in what it sends and lies as a reducer (:class:`LyingMergeRule`)."""
+
+    def __init__(self, config, *args, **kwargs):
+        super().__init__(config, *args, **kwargs)
+        if self.levels or any(self.rda):
+            raise ValueError("the lab's lying reducer needs --outer-codec none and --outer-merge mean")
+        self.merge_rule = LyingMergeRule(**{f.name: getattr(self.merge_rule, f.name) for f in fields(MergeRule)},
+                                         offset=wire.wire_offset(config.max_delta))
 
 
 class SlowDonorTransfer(StateTransfer):
@@ -205,8 +235,11 @@ class FaultyIslandBuilder(IslandBuilder):
     def round_format(self, config, names, shapes) -> RoundFormat:
         if self.config.debug.corrupt_outer:
             return CorruptingFormat(config, names, shapes, garbage=self.garbage)
-        if self.config.debug.attacks:
-            return AttackingFormat(config, names, shapes, attacks=self.config.debug.attacks)
+        attacks = self.config.debug.attacks
+        if attacks == ["lying_reducer"]:
+            return LyingReducerFormat(config, names, shapes)
+        if attacks:
+            return AttackingFormat(config, names, shapes, attacks=attacks)
         return super().round_format(config, names, shapes)
 
     def state_transfer(self, store, stats, **kwargs) -> StateTransfer:

@@ -67,7 +67,7 @@ def _fragment_averager_class():
                     book.reset()
                 weights = capped_weights([c.get("weight") for c in claims], self._merge_rule)
                 kwargs["merge"] = {"rule": self._merge_rule, "weights": weights, "book": book}
-            recorder = _FailureRecorder(self._shared.get("failed_mask"))
+            recorder = _FailureRecorder(self._shared.get("failed_mask"), self._shared.get("reducers"))
             future = self._running_groups.get(group_info.group_id)
             if future is not None:
                 future.add_done_callback(recorder.attach)  # runs before any reducer can have failed
@@ -135,12 +135,16 @@ def averager_stub(p2p, peer, prefix: str):
 class _FailureRecorder:
     """Wraps one all-reduce's ``register_failed_reducer`` (hivemind keeps the member's own values for
     the parts of a reducer that failed) to mark those elements, in the flattened order of the
-    averaged tensors, in ``mask`` (uint8, shared with the island)."""
+    averaged tensors, in ``mask`` (uint8, shared with the island); and writes which member of the
+    group reduces each element into ``reducers`` (int16, the member's index in the group's order, -1
+    where unknown), so that the island can tell each reducer's results apart (docs/SECURITY.md)."""
 
-    def __init__(self, mask: Optional[torch.Tensor]):
-        self.mask, self.container = mask, None
+    def __init__(self, mask: Optional[torch.Tensor], reducers: Optional[torch.Tensor] = None):
+        self.mask, self.reducers, self.container = mask, reducers, None
         if mask is not None:
             mask.zero_()
+        if reducers is not None:
+            reducers.fill_(-1)
 
     def attach(self, future) -> None:
         try:
@@ -149,10 +153,19 @@ class _FailureRecorder:
         except Exception as e:
             logger.debug("cannot watch for failed reducers: %r", e)
             return
+        if self.reducers is not None:
+            try:
+                for peer_index in range(container.group_size):
+                    for index, numel in _spans(container, peer_index, 0):
+                        self.reducers[index:index + numel] = peer_index
+            except Exception as e:  # never let bookkeeping break the all-reduce
+                logger.debug("cannot map the reducers' parts: %r", e)
+                self.reducers.fill_(-1)
 
         def record(peer_index: int) -> None:
             try:
-                self._mark(container, peer_index)
+                for index, numel in _spans(container, peer_index, container._outputs_registered_by_peer[peer_index]):
+                    self.mask[index:index + numel] = 1
             except Exception as e:  # never let bookkeeping break the all-reduce
                 logger.debug("cannot record failed reducer parts: %r", e)
                 self.container = None
@@ -161,24 +174,25 @@ class _FailureRecorder:
         container.register_failed_reducer = record
         self.container = container
 
-    def _mark(self, container, peer_index: int) -> None:
-        starts, position = [], 0
-        for tensor in container.local_tensors:
-            starts.append((tensor.data_ptr(), tensor.data_ptr() + tensor.numel() * tensor.element_size(), position,
-                           tensor.element_size()))
-            position += tensor.numel()
-        first = container._outputs_registered_by_peer[peer_index]
-        for part, _info in list(container._input_parts_by_peer[peer_index])[first:]:
-            pointer = part.data_ptr()
-            begin, _end, offset, size = next(entry for entry in starts if entry[0] <= pointer < entry[1])
-            index = offset + (pointer - begin) // size
-            self.mask[index:index + part.numel()] = 1
-
     def count(self) -> int:
         """Elements whose reducer failed, or -1 when they could not be recorded exactly."""
         if self.container is None or self.mask is None:
             return -1
         return int(self.container.failed_size)
+
+
+def _spans(container, peer_index: int, first: int):
+    """(first element, count) in the flattened averaged tensors of each part that member
+    ``peer_index`` reduces, from its ``first`` part on (hivemind's parts are views of the tensors)."""
+    starts, position = [], 0
+    for tensor in container.local_tensors:
+        starts.append((tensor.data_ptr(), tensor.data_ptr() + tensor.numel() * tensor.element_size(), position,
+                       tensor.element_size()))
+        position += tensor.numel()
+    for part, _info in list(container._input_parts_by_peer[peer_index])[first:]:
+        pointer = part.data_ptr()
+        begin, _end, offset, size = next(entry for entry in starts if entry[0] <= pointer < entry[1])
+        yield offset + (pointer - begin) // size, part.numel()
 
 
 def next_chunk_timeout(allreduce_timeout: float) -> float:
@@ -241,7 +255,8 @@ def make_fragment_averager(
     :param shared: shared-memory tensors the averager process writes for the island after each
         all-reduce: ``grid`` (int16, the chunk exponents used, with a low-bit codec), ``failed_mask``
         (uint8 per element: 1 where the reducer failed) and ``failed`` (int64, one element: how many
-        failed, -1 if unknown) and ``outliers`` (:class:`p2p_diloco.net.reducer.OutlierBook`'s table)
+        failed, -1 if unknown), ``reducers`` (int16 per element: the index in the group of the member
+        that reduced it, -1 if unknown) and ``outliers`` (:class:`p2p_diloco.net.reducer.OutlierBook`'s table)
     :param ceilings: per tensor, the largest grid exponent an honest member needs
     :param gate: a private run's :class:`p2p_diloco.net.gate.AveragerGate` (None: an open run)
     :param clock_offset: float64 [1], shared: seconds this machine's clock is ahead of the swarm's; the

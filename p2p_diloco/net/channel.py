@@ -40,12 +40,17 @@ class RoundReport:
         ``failed > 0``)
     :param outliers: peer id -> (parts this member reduced with that peer, parts in which the peer
         was an outlier) (:class:`p2p_diloco.net.reducer.OutlierBook`); empty without a merge rule
+    :param reducers: int16 per element (fragment order): the index in ``peers`` of the member that
+        reduced it (-1: unknown); None when not recorded
+    :param peers: the round's members (peer ids) in the group's order
     """
 
     grid: Optional[torch.Tensor]
     failed: int
     failed_mask: torch.Tensor
     outliers: dict = field(default_factory=dict)
+    reducers: Optional[torch.Tensor] = None
+    peers: list = field(default_factory=list)
 
 
 class FragmentChannel(Protocol):
@@ -128,7 +133,8 @@ class HivemindChannel:
         self._traffic = torch.zeros(3, dtype=torch.int64).share_memory_()
         self._shared = {"grid": torch.zeros(grid.num_chunks(shapes), dtype=torch.int16).share_memory_(),
                         "failed_mask": torch.zeros(numel, dtype=torch.uint8).share_memory_(),
-                        "failed": self._traffic[2:], "outliers": OutlierBook.allocate()}
+                        "failed": self._traffic[2:], "outliers": OutlierBook.allocate(),
+                        "reducers": torch.full((numel,), -1, dtype=torch.int16).share_memory_()}
         self._peers: list = []  # the last round's members in the group's order (rows of "outliers")
         # a private run: the certificate goes with every join request; refused peer ids come back here
         self._certificate = {CERTIFICATE_FIELD: admission.certificate.to_bytes()} if admission is not None else {}
@@ -197,7 +203,8 @@ class HivemindChannel:
 
     def report(self) -> RoundReport:
         return RoundReport(self._shared["grid"].clone() if self.levels else None, int(self._traffic[2]),
-                           self._shared["failed_mask"], OutlierBook.read(self._shared["outliers"], self._peers))
+                           self._shared["failed_mask"], OutlierBook.read(self._shared["outliers"], self._peers),
+                           self._shared["reducers"].clone(), list(self._peers))
 
     def traffic(self) -> tuple[int, int]:
         sent, received = self._traffic[:2].tolist()

@@ -51,6 +51,11 @@ class MergeRule:
         if self.aggregator not in robust.AGGREGATORS:
             raise ValueError(f"aggregator must be one of {robust.AGGREGATORS}, got {self.aggregator!r}")
 
+    def finish(self, merged: torch.Tensor) -> torch.Tensor:
+        """What this reducer returns for a merged part: the merge itself (the lab's lying reducer
+        overrides this, :class:`p2p_diloco.lab.faults.LyingMergeRule`)."""
+        return merged
+
 
 def capped_weights(claims: Sequence, rule: MergeRule) -> list[float]:
     """The weights of a group's members in its order from their gathered claims: invalid claims (not
@@ -173,7 +178,7 @@ def _runner_classes():
                 for (sender, _, _), ratio in zip(parts, ratios):
                     if ratio is not None and 0 <= sender < len(self.members):
                         self.book.note(self.members[sender], ratio > self.rule.outlier_ratio)
-            return merged.view(parts[0][1].shape)
+            return self.rule.finish(merged).view(parts[0][1].shape)
 
     class RobustAllReduceRunner(AllReduceRunner):
         """hivemind's ``AllReduceRunner``; given ``merge`` (the run's rule and the group's capped

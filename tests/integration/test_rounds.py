@@ -21,7 +21,7 @@ from p2p_diloco.algo import grid, outer
 from p2p_diloco.algo.schedule import RoundSlot
 from p2p_diloco.config import OuterConfig
 from p2p_diloco.island.contribution import WEIGHT_UNIT
-from p2p_diloco.lab.faults import AttackingFormat, CorruptingFormat, Garbage
+from p2p_diloco.lab.faults import AttackingFormat, CorruptingFormat, Garbage, LyingReducerFormat
 from p2p_diloco.net.channel import HivemindChannel
 from p2p_diloco.net.dht import start_dht, visible_maddrs
 from tests.doubles import IslandParts
@@ -211,6 +211,7 @@ def test_an_attacker_within_the_bounds_is_clipped_then_flagged_and_members_stay_
     assert [e["outcome"] for e in events] == ["ok"] * 3 and events[0]["members"] == ["a", "b", "x"]
     assert a.store.hashes == b.store.hashes == x.store.hashes  # one reducer per part: the same bits
     assert events[0]["outliers"] == events[1]["outliers"] == ["x"] and "x" in a.quarantine and "x" in b.quarantine
+    assert events[0]["suspect_reducers"] == events[1]["suspect_reducers"] == []  # it reduced honestly
     assert a.quarantine.flagged_reasons() == {"x": "outlier"}
     deltas = [outer.pseudo_gradient(theta, m) for m in local]
     honest = outer.weighted_mean(deltas[:2], [1.0, 1.0])
@@ -223,6 +224,22 @@ def test_an_attacker_within_the_bounds_is_clipped_then_flagged_and_members_stay_
     # the next round, the honest members meet without it
     events = run_round(a, b, x)
     assert [e["outcome"] for e in events] == ["ok", "ok", "fallback"] and events[0]["members"] == ["a", "b"]
+
+
+def test_a_reducer_that_returns_the_average_reversed_is_caught_by_the_members_it_lied_to(group):
+    """A member sends its update honestly but returns every part it reduces reversed (within the
+    bounds, the same to everyone): the others see its share of the result disagree with what they
+    sent, unlike the other reducers' shares, and flag it."""
+    config = CONFIG.model_copy(update={"outlier_rounds": 1})
+    theta = _params(0)
+    liar = LyingReducerFormat(config, NAMES, SHAPES)
+    a, b, x = group([_moved(theta, i, 0.01) for i in (1, 2, 3)], theta, names="abx", wires=[None, None, liar],
+                    config=config)
+    events = run_round(a, b, x)
+    assert [e["outcome"] for e in events] == ["ok"] * 3 and a.store.hashes == b.store.hashes == x.store.hashes
+    assert events[0]["suspect_reducers"] == events[1]["suspect_reducers"] == ["x"]
+    assert events[0]["outliers"] == events[1]["outliers"] == []  # what it sent was honest
+    assert a.quarantine.flagged_reasons() == b.quarantine.flagged_reasons() == {"x": "reducer"}
 
 
 @pytest.mark.parametrize("lie", [

@@ -118,3 +118,43 @@ def test_a_reducer_leaves_out_listeners_and_far_outliers_and_bounds_the_rest():
     pair, pair_ratios = merge_points(points[[0, 3, 4]], weights[[0, 3, 4]], MergeRule())
     torch.testing.assert_close(pair, (points[0] + 1.5 * points[3]) / 2.5)
     assert pair_ratios == [None, None, None]
+
+
+def test_reducer_agreement_singles_out_a_reducer_that_reversed_its_share():
+    from p2p_diloco.algo.robust import disagreeing, reducer_agreement
+
+    rng = np.random.default_rng(3)
+    sent = [torch.tensor(rng.normal(size=(30, 10)), dtype=torch.float32)]
+    others = torch.tensor(rng.normal(size=(30, 10)), dtype=torch.float32)
+    merged = [(sent[0] + 2 * others) / 3]  # the mean of us and two others
+    reducer_of = torch.arange(300, dtype=torch.int16) // 75  # 4 reducers, 75 elements each
+    honest = reducer_agreement(merged, sent, reducer_of)
+    assert sorted(honest) == [0, 1, 2, 3] and all(0.2 < c < 0.7 for c in honest.values())
+    assert disagreeing(honest) == []
+    merged[0].view(-1)[150:225] *= -1  # reducer 2 returned its share reversed
+    agreement = reducer_agreement(merged, sent, reducer_of)
+    assert agreement[2] < 0 and disagreeing(agreement) == [2]
+    # too few reducers, or updates that do not agree at all: no signal
+    assert disagreeing({0: 0.5, 1: -0.5}) == [] and disagreeing({0: 0.05, 1: 0.1, 2: -0.1}) == []
+    unknown = torch.full((300,), -1, dtype=torch.int16)
+    assert reducer_agreement(merged, sent, unknown) == {}
+
+
+def test_an_outlier_is_flagged_after_n_of_its_last_2n_minus_1_rounds_per_kind():
+    from p2p_diloco.island.quarantine import Quarantine
+
+    events = []
+    q = Quarantine(island="me", probation=60.0, slot_spacing=4.0, check_lead=1.0, events=events.append,
+                   outlier_rounds=3)
+    for outlier in (True, False, True, False):  # 2 of 4: not yet
+        assert q.note_outlier("x", outlier, now=0.0) == 0.0
+        assert q.note_outlier("y", outlier, now=0.0, kind="reducer") == 0.0
+    assert q.note_outlier("x", True, now=10.0) == 60.0  # 3 of the last 5
+    assert q.flagged_reasons() == {"x": "outlier"} and events[-1]["reason"] == "outlier"
+    assert q.note_outlier("x", True, now=11.0) == 0.0  # flagged already
+    assert q.note_outlier("me", True, now=0.0) == 0.0  # never itself
+    # old rounds slide out of the window of 5: T T F F F F T holds one
+    for outlier in (True, True, False, False, False, False, True):
+        assert q.note_outlier("z", outlier, now=0.0, kind="reducer") == 0.0
+    assert q.note_outlier("y", True, now=0.0, kind="reducer") == 60.0  # T F T F T, kind by kind
+    assert q.flagged_reasons() == {"x": "outlier", "y": "reducer"}
