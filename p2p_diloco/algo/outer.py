@@ -252,9 +252,11 @@ def all_finite(tensors: Iterable[torch.Tensor]) -> bool:
 def canonical_base(bases: Sequence[tuple[int, str]]) -> tuple[int, str]:
     """The base (version, Theta hash) a round's result is applied to.
 
-    The newest version wins; among forks of that version, the one most members hold; then the
-    smaller hash. Every member computes the same answer from the same gathered metadata; members
-    whose base differs reload the fragment from a member holding the result (docs/DESIGN.md,
+    In a group of 3 or more, only bases that 2 or more members hold count when there are any: one
+    member cannot make the others drop their base by claiming a newer version (docs/SECURITY.md).
+    Among those, the newest version wins; among forks of that version, the one most members hold;
+    then the smaller hash. Every member computes the same answer from the same gathered metadata;
+    members whose base differs reload the fragment from a member holding the result (docs/DESIGN.md,
     "Syncer", step 4).
 
     :raises ValueError: if ``bases`` is empty
@@ -264,7 +266,8 @@ def canonical_base(bases: Sequence[tuple[int, str]]) -> tuple[int, str]:
     counts: dict[tuple[int, str], int] = {}
     for base in bases:
         counts[base] = counts.get(base, 0) + 1
-    return max(counts, key=lambda base: (base[0], counts[base], _reverse(base[1])))
+    shared = [base for base, count in counts.items() if count >= 2] if len(bases) >= 3 else []
+    return max(shared or counts, key=lambda base: (base[0], counts[base], _reverse(base[1])))
 
 
 def _reverse(text: str) -> tuple[int, ...]:

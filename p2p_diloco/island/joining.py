@@ -13,7 +13,7 @@ from typing import Callable, Optional
 from p2p_diloco.errors import ConfigError, FingerprintMismatch, Interrupted
 from p2p_diloco.island import checkpoint as ckpt
 from p2p_diloco.island.store import FragmentStore
-from p2p_diloco.island.transfer import StateTransfer
+from p2p_diloco.island.transfer import StateTransfer, vouched_bases
 from p2p_diloco.net.records import IslandProgress
 
 logger = logging.getLogger(__name__)
@@ -34,10 +34,13 @@ def check_fingerprint(others: list[IslandProgress], fingerprint: str, run_id: st
 
 
 def join_from_peers(donors: list[IslandProgress], *, transfer: StateTransfer, store: FragmentStore, learner,
-                    events: Callable[[dict], None], timeout: float, stop: threading.Event) -> None:
+                    events: Callable[[dict], None], timeout: float, stop: threading.Event,
+                    read_donors: Optional[Callable[[], list[IslandProgress]]] = None) -> None:
     """Download the global parameters from the live ``donors`` and load them into ``learner``, or
     start from the seeded initial weights (the same on every island) when there are none or the
-    download fails (the first round's base check reloads them then).
+    download fails (the first round's base check reloads them then). With ``read_donors`` (their
+    records, read afresh), only the state their records vouch for is taken
+    (:func:`p2p_diloco.island.transfer.vouched_bases`).
 
     :param timeout: seconds for the whole download
     :raises Interrupted: ``stop`` was set while downloading
@@ -45,7 +48,9 @@ def join_from_peers(donors: list[IslandProgress], *, transfer: StateTransfer, st
     if donors:
         logger.info("joining: downloading global parameters from %d live island(s)", len(donors))
         events({"event": "join_start", "donors": sorted(r.island for r in donors)})
-        if transfer.load_all(timeout=timeout, stop=stop):
+        targets = None if read_donors is None else (lambda: vouched_bases(
+            [(r.fragment_versions, r.fragment_hashes) for r in read_donors()], store.num_fragments))
+        if transfer.load_all(timeout=timeout, stop=stop, targets=targets):
             for p in range(store.num_fragments):
                 learner.load_global(p, store.global_params(p))
             logger.info("joined at fragment versions %s", store.versions)

@@ -231,6 +231,12 @@ class Island:
                 logger.info("a full member is live again: rounds can form")
             self._no_full_member = not full
 
+    def _donors(self, records: list[IslandProgress]) -> list[IslandProgress]:
+        """The islands that may serve us the global state: training, of our fingerprint, full members
+        (clients behind NAT serve no state), not us."""
+        return [r for r in records if r.state == "training" and r.fingerprint == self.fingerprint
+                and not is_client(r.reachability) and r.island != self.config.island]
+
     def _train(self, others: list[IslandProgress]) -> str:
         """Load the global state (a checkpoint, or live peers), start the rounds and train; returns
         why it stopped (``signal``, ``max_steps``, ``max_minutes``, ``helper_died``)."""
@@ -241,12 +247,10 @@ class Island:
                                                 sampler=self.sampler, events=self.events)
                 self.resume = None  # release the tensors
             else:
-                # clients (behind NAT) serve no state: only full members can be donors
-                donors = [r for r in others if r.state == "training" and r.fingerprint == self.fingerprint
-                          and not is_client(r.reachability)]
-                joining.join_from_peers(donors,
+                joining.join_from_peers(self._donors(others),
                                         transfer=self.transfer, store=self.store, learner=self.learner,
-                                        events=self.events, timeout=config.join_timeout, stop=self.stop.event)
+                                        events=self.events, timeout=config.join_timeout, stop=self.stop.event,
+                                        read_donors=lambda: self._donors(self.board.read()))
             for channel in self.channels if not self.client_mode else ():  # nobody could reach a client
                 channel.share_state()
             self.syncer.start()

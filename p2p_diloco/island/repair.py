@@ -37,20 +37,24 @@ class BaseRepair:
     def target(self, p: int, state: FragmentState) -> Optional[tuple[int, str]]:
         """The (version, hash) of fragment p to reload, from the other live islands' records, or None.
 
-        Only a clear signal counts: a newer version (we missed a round), or, at our version, a fork
-        that strictly more islands hold than ours (we forked alone). Ties are left to the next round,
-        whose gathered metadata is the same for every member.
+        Only a clear signal counts: a newer version (we missed a round) that 2 or more other islands
+        hold when 2 or more report (one island's word cannot make us load its state:
+        docs/SECURITY.md), or, at our version, a fork that strictly more islands hold than ours (we
+        forked alone). Ties are left to the next round, whose gathered metadata is the same for
+        every member.
         """
         bases = [(state.version, state.hash)]
         for island, versions, hashes in self.swarm_bases():
             if island not in self.quarantine and len(versions) > p and len(hashes) > p and hashes[p]:
                 bases.append((versions[p], hashes[p]))
-        newest = max(version for version, _ in bases)
         counts: dict[tuple[int, str], int] = {}
         for base in bases:
             counts[base] = counts.get(base, 0) + 1
-        if newest > state.version:
-            return outer.canonical_base([base for base in bases if base[0] == newest])
+        needed = 2 if len(bases) >= 3 else 1  # holders of a newer base, when 2 or more others report
+        newer = [base for base in counts if base[0] > state.version and counts[base] >= needed]
+        if newer:
+            newest = max(version for version, _ in newer)
+            return outer.canonical_base([base for base in bases if base[0] == newest and counts[base] >= needed])
         best = max((base for base in counts if base[0] == state.version), key=counts.__getitem__)
         return best if counts[best] > counts[(state.version, state.hash)] else None
 

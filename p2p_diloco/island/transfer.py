@@ -73,9 +73,11 @@ class StateTransfer:
 
     # ---------------------------------------------------------------- downloading
 
-    def download(self, p: int, *, min_version: int, want_hash: str = "", timeout: float) -> Optional[FragmentState]:
+    def download(self, p: int, *, min_version: int, want_hash: str = "", timeout: float,
+                 exact: bool = False) -> Optional[FragmentState]:
         """Fragment p's state from the best donor if it is valid, at least ``min_version`` and, when
-        ``want_hash`` is given and the version is exactly ``min_version``, that exact Theta_p."""
+        ``want_hash`` is given and the version is exactly ``min_version``, that exact Theta_p; with
+        ``exact``, only version ``min_version`` with hash ``want_hash`` (nothing newer)."""
         result = self.channels[p].load_state(timeout=timeout)
         if result is None:
             return None
@@ -92,7 +94,7 @@ class StateTransfer:
             logger.warning("ignored a malformed state download for fragment %d", p)
             return None
         version = int(metadata.get("version", -1))
-        if version < min_version:
+        if version < min_version or (exact and version != min_version):
             logger.debug("donor of fragment %d has version %d < %d", p, version, min_version)
             return None
         theta = [t.to(torch.float32).contiguous() for t in tensors[:n]]
@@ -123,18 +125,52 @@ class StateTransfer:
             stop.wait(min(0.5, max(0.0, deadline - time.monotonic())))
         return None
 
-    def load_all(self, *, timeout: float, stop: threading.Event) -> bool:
+    def load_all(self, *, timeout: float, stop: threading.Event,
+                 targets: Optional[Callable[[], list[tuple[int, str]]]] = None) -> bool:
         """Download Theta_p, m_p and v_p of every fragment from live peers and publish them (a
         joining island).
 
         :param timeout: seconds for all fragments together
+        :param targets: returns, per fragment, the (version, hash) that the live islands' records
+            vouch for (:func:`vouched_bases`), read afresh before each attempt; only that exact state is
+            taken, so one donor cannot hand a joiner a state of its own making (docs/SECURITY.md). None:
+            any valid state
         :returns: True when every fragment was loaded; False leaves unloaded fragments as they were
         """
         deadline = time.monotonic() + timeout
         for p in range(self.store.num_fragments):
-            state = self.download_until(p, min_version=0, deadline=deadline, stop=stop)
+            state = None
+            while state is None and not stop.is_set() and time.monotonic() < deadline:
+                vouched = targets()[p] if targets is not None else None
+                if targets is not None and vouched is None:  # nobody vouches yet: ask again shortly
+                    stop.wait(0.5)
+                    continue
+                remaining = deadline - time.monotonic()
+                state = (self.download(p, min_version=vouched[0], want_hash=vouched[1], exact=True,
+                                       timeout=min(10.0, max(1.0, remaining)))
+                         if vouched is not None else
+                         self.download_until(p, min_version=0, deadline=deadline, stop=stop))
+                if state is None and vouched is not None:
+                    stop.wait(min(0.5, max(0.0, deadline - time.monotonic())))
             if state is None:
                 return False
             self.store.publish(p, state)
             self.events({"event": "join", "fragment": p, "version": state.version, "hash": state.hash})
         return True
+
+
+def vouched_bases(bases: list[tuple[list[int], list[str]]], num_fragments: int) -> list[Optional[tuple[int, str]]]:
+    """Per fragment, the (version, hash) a joiner may take from the live islands' records (their
+    fragment versions and hashes): the newest that 2 or more islands hold when 2 or more report,
+    else the only island's; None where none qualifies (docs/SECURITY.md: no one donor decides)."""
+    result = []
+    for p in range(num_fragments):
+        found = [(versions[p], hashes[p]) for versions, hashes in bases
+                 if len(versions) > p and len(hashes) > p and hashes[p]]
+        counts: dict[tuple[int, str], int] = {}
+        for base in found:
+            counts[base] = counts.get(base, 0) + 1
+        needed = 2 if len(found) >= 2 else 1
+        held = [base for base in found if counts[base] >= needed]
+        result.append(outer.canonical_base(held) if held else None)
+    return result

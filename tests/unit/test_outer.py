@@ -179,6 +179,10 @@ def test_canonical_base():
     assert outer.canonical_base([(4, "z"), (4, "a"), (4, "z")]) == (4, "z")  # then the majority
     assert outer.canonical_base([(4, "z"), (4, "a")]) == (4, "a")  # then the smaller hash
     assert outer.canonical_base([(4, "a"), (4, "z")]) == (4, "a")  # independent of order
+    # in a group of 3 or more, a base that only one member holds cannot outrank a shared one: a
+    # member claiming a far newer version does not make the others drop theirs
+    assert outer.canonical_base([(3, "a"), (1000, "x"), (3, "a")]) == (3, "a")
+    assert outer.canonical_base([(3, "a"), (1000, "x")]) == (1000, "x")  # 2 members: no majority
     with pytest.raises(ValueError):
         outer.canonical_base([])
     with pytest.raises(ValueError):

@@ -156,8 +156,12 @@ def test_repair_reloads_a_newer_version_or_a_majority_fork_but_leaves_ties_to_th
     assert island.syncer.repair.target(0, state) == (0, fork)  # a majority
     island.quarantine.flag("d", "caught", time.time())
     assert island.syncer.repair.target(0, state) is None  # a flagged island's word does not count
+    island.syncer.repair.swarm_bases = lambda: [("e", [2], ["b" * 16]), ("g", [2], ["b" * 16]), ("h", [3], ["c" * 16])]
+    assert island.syncer.repair.target(0, state) == (2, "b" * 16)  # the newest version 2 or more hold wins
     island.syncer.repair.swarm_bases = lambda: [("e", [2], ["b" * 16]), ("g", [1], ["c" * 16])]
-    assert island.syncer.repair.target(0, state) == (2, "b" * 16)  # the newest version wins
+    assert island.syncer.repair.target(0, state) is None  # one island's word: not enough (docs/SECURITY.md)
+    island.syncer.repair.swarm_bases = lambda: [("e", [2], ["b" * 16])]
+    assert island.syncer.repair.target(0, state) == (2, "b" * 16)  # the only other island: nobody to ask
 
 
 def test_a_flag_ends_after_its_probation_which_doubles_with_each_strike():
