@@ -133,39 +133,58 @@ def _median(x: torch.Tensor) -> torch.Tensor:
 
 
 def reducer_agreement(merged: Sequence[torch.Tensor], sent: Sequence[torch.Tensor],
-                      reducer_of: torch.Tensor) -> dict[int, float]:
+                      reducer_of: torch.Tensor, min_share: float = 0.1) -> dict[int, float]:
     """Per reducer, the cosine between the merged values it returned and the values this member sent
     for the elements it reduced (docs/SECURITY.md, "Lying reducers").
 
     Every reducer merges a slice of the same members' updates, so an honest reducer's slice of the
     result agrees with our slice about as much as every other reducer's does (our own update is one
     of the members it merged); a reducer that returns the average reversed, or anything unrelated to
-    what the members sent, agrees far less.
+    what the members sent, agrees far less. A reducer of a slice where we sent next to nothing
+    (RMS below ``min_share`` x the median reducer's: rows of the embedding we never trained) is left
+    out: our agreement there says nothing.
 
     :param merged: the round's merged values per tensor (value space), fp32
     :param sent: what this member sent per tensor (value space), same shapes
     :param reducer_of: int16 [numel] in fragment order: which member (group index) reduced each
         element, -1 where unknown
-    :returns: group index -> cosine, for reducers of elements where we sent something nonzero
+    :param min_share: see above
+    :returns: group index -> cosine
     """
-    flat_merged = torch.cat([t.reshape(-1) for t in merged]).to(torch.float64)
-    flat_sent = torch.cat([t.reshape(-1) for t in sent]).to(torch.float64)
-    if reducer_of.numel() != flat_merged.numel():
+    total = sum(t.numel() for t in merged)
+    if reducer_of.numel() != total:
         return {}
+    size = int(reducer_of.max()) + 2 if total else 1  # bins: -1 -> 0, index i -> i + 1
+    dots, merged_sq, sent_sq, counts = (torch.zeros(size, dtype=torch.float64) for _ in range(4))
+    offset = 0
+    for a, b in zip(merged, sent):  # tensor by tensor: no fragment-sized float64 copies
+        index = reducer_of[offset:offset + a.numel()].to(torch.int64) + 1
+        a, b = a.reshape(-1).to(torch.float64), b.reshape(-1).to(torch.float64)
+        dots += torch.bincount(index, weights=a * b, minlength=size)
+        merged_sq += torch.bincount(index, weights=a * a, minlength=size)
+        sent_sq += torch.bincount(index, weights=b * b, minlength=size)
+        counts += torch.bincount(index, minlength=size).to(torch.float64)
+        offset += a.numel()
+    present = [i for i in range(1, size) if counts[i] > 0]
+    rms = {i: math.sqrt(float(sent_sq[i] / counts[i])) for i in present}
+    floor = min_share * statistics.median(rms.values()) if rms else 0.0
     result = {}
-    for index in sorted(set(reducer_of.unique().tolist()) - {-1}):
-        where = reducer_of == index
-        a, b = flat_merged[where], flat_sent[where]
-        norms = float(torch.linalg.vector_norm(a)) * float(torch.linalg.vector_norm(b))
-        if norms > 0 and math.isfinite(norms):
-            result[int(index)] = float(a @ b) / norms
+    for i in present:
+        norms = math.sqrt(float(merged_sq[i]) * float(sent_sq[i]))
+        if rms[i] > floor and norms > 0 and math.isfinite(norms):
+            result[i - 1] = float(dots[i]) / norms
     return result
 
 
 def disagreeing(agreement: dict[int, float], *, floor: float = 0.2, fraction: float = 0.25) -> list[int]:
-    """The reducers whose agreement (:func:`reducer_agreement`) is below ``fraction`` x the median
-    agreement, when there are 3 or more and the median is at least ``floor`` (otherwise the round
-    gives no signal: updates that do not correlate, a listener)."""
+    """The reducers whose agreement is far below the others'.
+
+    :param agreement: group index -> cosine (:func:`reducer_agreement`)
+    :param floor: the median agreement must be at least this, else the round gives no signal
+        (updates that do not correlate)
+    :param fraction: a reducer below ``fraction`` x the median agreement disagrees
+    :returns: the group indices that disagree, sorted; none when fewer than 3 reducers are compared
+    """
     if len(agreement) < 3:
         return []
     median = statistics.median(agreement.values())

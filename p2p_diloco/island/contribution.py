@@ -24,6 +24,7 @@ from p2p_diloco.net.reducer import MIN_WEIGHT, MergeRule
 
 WEIGHT_UNIT = 1e6  # token weights are sent in units of 10^6 (tokens^2 / step) to stay well inside fp32
 LISTENER_WEIGHT = MIN_WEIGHT  # weight of a member with nothing to contribute: it only receives the result
+MAX_VERSION = 2**48  # no honest fragment version comes near it (a round a millisecond for 8,000 years)
 MIN_OTHERS_SHARE = 1e-3  # below this share of the others' weight, a round's result is not checked for failed parts
 
 
@@ -36,6 +37,8 @@ class Contribution:
     :param norms: per tensor, ||Delta|| for RDA tensors (0.0 elsewhere)
     :param weight: its merge weight, tokens^2 / steps in units of :data:`WEIGHT_UNIT`
     :param clipped: elements clipped to +-max_delta
+    :param tokens: the tokens it claims in the gathered metadata (those trained since its snapshot)
+    :param steps: the inner steps it claims
     """
 
     delta: list[torch.Tensor]
@@ -43,6 +46,8 @@ class Contribution:
     norms: list[float]
     weight: float
     clipped: int
+    tokens: int = 0
+    steps: int = 0
 
 
 class RoundFormat:
@@ -87,7 +92,7 @@ class RoundFormat:
         ("quantity x quality", tokens^2 / steps: Decoupled DiLoCo, arXiv 2604.21428)."""
         clipped = wire.clip_(delta, self.max_delta)
         values, norms = outer.wire_values(delta, self.rda)
-        return Contribution(delta, values, norms, outer.token_weight(tokens, steps) / WEIGHT_UNIT, clipped)
+        return Contribution(delta, values, norms, outer.token_weight(tokens, steps) / WEIGHT_UNIT, clipped, tokens, steps)
 
     def write(self, contribution: Contribution, buffers: Sequence[torch.Tensor]) -> dict:
         """Put the contribution into the channel's buffers; returns what the gathered metadata
@@ -130,11 +135,14 @@ class RoundFormat:
 
     def misreporting(self, members: Sequence[dict], island: str) -> list[str]:
         """Other members whose gathered metadata no honest member would send: a largest sent value
-        out of bounds (NaN, Inf, huge), grid exponents beyond what that value needs, or RDA norms
-        that no clipped pseudo-gradient can have."""
+        out of bounds (NaN, Inf, huge), a weight that is not tokens^2 / steps of its own claims, a
+        version no run reaches,
+        grid exponents beyond what that value needs, or RDA norms that no clipped pseudo-gradient
+        can have."""
         culprits = []
         for m in members:
-            honest = reported_within(m.get("delta_max"), self.report_bound)
+            honest = (reported_within(m.get("delta_max"), self.report_bound) and consistent_weight(m)
+                      and 0 <= m["version"] <= MAX_VERSION)
             if honest and self.levels:
                 report = m.get("exponents")
                 needed = grid.ceiling_exponent(max(float(m["delta_max"]), 0.0), self.levels)
@@ -224,6 +232,15 @@ class RoundFormat:
 def reported_within(value, bound: float) -> bool:
     """``value`` is a finite number with |value| <= bound."""
     return isinstance(value, (int, float)) and math.isfinite(value) and abs(value) <= bound
+
+
+def consistent_weight(member: dict) -> bool:
+    """The member's weight is tokens^2 / steps of the tokens and steps it claims (fp32-close)."""
+    tokens, steps = member.get("tokens"), member.get("steps")
+    if not isinstance(tokens, int) or not isinstance(steps, int) or tokens < 0 or steps < 0:
+        return False
+    want = outer.token_weight(tokens, steps) / WEIGHT_UNIT
+    return abs(float(member["weight"]) - want) <= 1e-6 * max(1.0, want)
 
 
 def member_norms(members: Sequence[dict], count: int) -> list[list[float]]:

@@ -110,7 +110,8 @@ def run_fingerprint(spec: ModelSpec, vocab_size: int, seed: int, tokenizer_sha: 
 
     Covers the architecture, the tokenizer (sha256 of its JSON), the init seed and the outer-loop
     fields that decide the global parameters (fragments, period, outer optimizer, delta clip, merge,
-    codec, aggregator, weight cap, clip radius), plus the wire protocol version. Inner-loop settings (lr, batch) may differ between islands.
+    codec, aggregator, weight cap, clip radius, outlier ratio), plus the wire protocol version.
+    Inner-loop settings (lr, batch) may differ between islands.
     """
     payload = {
         "protocol": PROTOCOL_VERSION,
@@ -129,6 +130,7 @@ def run_fingerprint(spec: ModelSpec, vocab_size: int, seed: int, tokenizer_sha: 
             "aggregator": outer.aggregator,
             "weight_cap": outer.weight_cap,
             "clip_radius": outer.clip_radius,
+            "outlier_ratio": outer.outlier_ratio,
         },
     }
     blob = json.dumps(payload, sort_keys=True).encode()

@@ -16,6 +16,8 @@ from typing import Callable, Optional, Sequence
 
 logger = logging.getLogger(__name__)
 
+MAX_WATCHED = 1024  # (island, kind) windows kept at most (an open run's names are not authenticated)
+
 
 class Quarantine:
     """Flags and probations of one island.
@@ -96,6 +98,8 @@ class Quarantine:
         with self._lock:
             if island in self.flagged:
                 return 0.0
+            if (island, kind) not in self._outliers and len(self._outliers) >= MAX_WATCHED:
+                del self._outliers[next(iter(self._outliers))]  # names that churn: forget the oldest
             window = self._outliers.setdefault((island, kind), deque(maxlen=2 * self.outlier_rounds - 1))
             window.append(bool(outlier))
             caught = sum(window) >= self.outlier_rounds

@@ -88,7 +88,7 @@ class OuterRound:
         with self.channel.tensors() as buffers:
             report = self.wire.write(mine, buffers)
         gather = dict(island=self.island, version=state.version, hash=state.hash, weight=mine.weight,
-                      tokens=snapshot.tokens, steps=snapshot.steps, **report)
+                      tokens=mine.tokens, steps=mine.steps, **report)
         bits = self.quarantine.group_bits(self.clock.now())
         if bits is not None:  # meet only islands that flagged the same ones
             self.channel.set_group_bits(bits)
@@ -148,7 +148,7 @@ class OuterRound:
         result downloaded from a member that holds it when our base was older or a fork."""
         ours = (state.version, state.hash)
         canonical = outer.canonical_base([(m["version"], m["hash"]) for m in members])
-        new_version = max(m["version"] for m in members) + 1
+        new_version = canonical[0] + 1  # never from a lone claim (docs/SECURITY.md)
         support = sum((m["version"], m["hash"]) == canonical for m in members)
         figures.update(group_size=len(members), members=sorted(m["island"] for m in members),
                        group_max_version=new_version - 1, canonical=ours == canonical)

@@ -95,7 +95,8 @@ class StateTransfer:
             return None
         version = int(metadata.get("version", -1))
         if version < min_version or (exact and version != min_version):
-            logger.debug("donor of fragment %d has version %d < %d", p, version, min_version)
+            logger.debug("donor of fragment %d has version %d, not %s %d", p, version, "exactly" if exact else ">=",
+                         min_version)
             return None
         theta = [t.to(torch.float32).contiguous() for t in tensors[:n]]
         momentum = [t.to(torch.float32).contiguous() for t in tensors[n:]]
@@ -110,7 +111,7 @@ class StateTransfer:
         self.stats.add(reloads=1)
         return FragmentState(theta, momentum, version, digest, int(metadata.get("support", 1)))
 
-    def download_until(self, p: int, *, min_version: int, deadline: float, want_hash: str = "",
+    def download_until(self, p: int, *, min_version: int, deadline: float, want_hash: str = "", exact: bool = False,
                        stop: Optional[threading.Event] = None) -> Optional[FragmentState]:
         """Retry :meth:`download` (another donor may answer, or the first may finish its round) until
         ``deadline`` (time.monotonic() seconds) or ``stop`` (default: the syncer's)."""
@@ -119,7 +120,8 @@ class StateTransfer:
             remaining = deadline - time.monotonic()
             if remaining <= 0:
                 return None
-            state = self.download(p, min_version=min_version, want_hash=want_hash, timeout=min(10.0, max(1.0, remaining)))
+            state = self.download(p, min_version=min_version, want_hash=want_hash, exact=exact,
+                                  timeout=min(10.0, max(1.0, remaining)))
             if state is not None:
                 return state
             stop.wait(min(0.5, max(0.0, deadline - time.monotonic())))

@@ -14,6 +14,7 @@ only when a fault is asked for (:class:`p2p_diloco.lab.localswarm.LocalSwarm`).
 from __future__ import annotations
 
 import logging
+import math
 import queue
 import random
 import signal
@@ -29,7 +30,7 @@ from pydantic import Field, model_validator
 from p2p_diloco.algo import outer, wire
 from p2p_diloco.config import PeerConfig, _Section
 from p2p_diloco.net.reducer import MergeRule
-from p2p_diloco.island.contribution import Contribution, RoundFormat
+from p2p_diloco.island.contribution import WEIGHT_UNIT, Contribution, RoundFormat
 from p2p_diloco.island.learner import Learner
 from p2p_diloco.island.builder import IslandBuilder
 from p2p_diloco.island.transfer import StateTransfer
@@ -139,7 +140,8 @@ class AttackingFormat(RoundFormat):
     """A round format whose member attacks the swarm with values every check lets through: each
     element within +-max_delta, the metadata true to what is sent. ``attacks`` (applied in order):
 
-    - ``inflate``: claims INFLATION x its weight (a huge token count);
+    - ``inflate``: claims INFLATION x its weight (a token count sqrt(INFLATION) x its own, the weight
+      consistent with it: what the swarm cannot check);
     - ``flip``: sends -max_delta * sign(Delta), the honest update reversed and pushed to the bound;
     - ``noise``: adds Gaussian noise of NOISE_SCALE standard deviations of its update;
     - ``bias``: adds BIAS_SCALE standard deviations along one fixed random direction, every round
@@ -170,8 +172,10 @@ class AttackingFormat(RoundFormat):
                 attacked = [d.clone() for d in self._first]
         attacked = [d.clamp(-self.max_delta, self.max_delta) for d in attacked]
         values, norms = outer.wire_values(attacked, self.rda)
-        weight = honest.weight * (INFLATION if "inflate" in self.attacks else 1.0)
-        return Contribution(attacked, values, norms, weight, honest.clipped)
+        # "inflate" claims INFLATION x the weight, consistently: sqrt(INFLATION) x the tokens
+        claimed = int(round(tokens * math.sqrt(INFLATION))) if "inflate" in self.attacks else tokens
+        return Contribution(attacked, values, norms, outer.token_weight(claimed, steps) / WEIGHT_UNIT, honest.clipped,
+                            claimed, steps)
 
 
 @dataclass(frozen=True)

@@ -209,6 +209,14 @@ class LocalSwarm:
                 pass
         return {name: island.popen.poll() for name, island in self.islands.items()}
 
+    def stop_islands(self, names, timeout: float = 20.0) -> list[Optional[int]]:
+        """SIGTERM the islands ``names`` together, then wait for each; returns their exit codes."""
+        for name in names:
+            self.islands[name].remember_tree()
+            if self.islands[name].alive():
+                self.islands[name].popen.send_signal(signal.SIGTERM)
+        return [self.islands[name].stop(timeout, signal_first=False) for name in names]
+
     def close(self, timeout: float = 20.0) -> list[int]:
         """Stop every island, then the dashboard and the bootstrap node; returns PIDs that had to be
         force-killed."""

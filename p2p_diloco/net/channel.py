@@ -41,7 +41,7 @@ class RoundReport:
     :param outliers: peer id -> (parts this member reduced with that peer, parts in which the peer
         was an outlier) (:class:`p2p_diloco.net.reducer.OutlierBook`); empty without a merge rule
     :param reducers: int16 per element (fragment order): the index in ``peers`` of the member that
-        reduced it (-1: unknown); None when not recorded
+        reduced it (-1: unknown); None when not recorded. Shared memory, valid until the next round
     :param peers: the round's members (peer ids) in the group's order
     """
 
@@ -204,7 +204,7 @@ class HivemindChannel:
     def report(self) -> RoundReport:
         return RoundReport(self._shared["grid"].clone() if self.levels else None, int(self._traffic[2]),
                            self._shared["failed_mask"], OutlierBook.read(self._shared["outliers"], self._peers),
-                           self._shared["reducers"].clone(), list(self._peers))
+                           self._shared["reducers"], list(self._peers))
 
     def traffic(self) -> tuple[int, int]:
         sent, received = self._traffic[:2].tolist()

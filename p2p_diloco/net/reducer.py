@@ -39,7 +39,7 @@ class MergeRule:
     :param weight_cap: no member weighs more than this many times the median weight
     :param radius_factor: CenteredClip's tau over the median distance to the coordinate-wise median
     :param outlier_ratio: a member whose distance to the center is above this many times the median
-        distance is an outlier in that part
+        distance is an outlier in that part (and left out of it)
     """
 
     aggregator: str = "centered_clip"
@@ -74,12 +74,15 @@ class OutlierBook:
 
     @staticmethod
     def allocate() -> torch.Tensor:
+        """A zeroed table in shared memory (float32 [MAX_MEMBERS, 2])."""
         return torch.zeros(MAX_MEMBERS, 2, dtype=torch.float32).share_memory_()
 
     def reset(self) -> None:
+        """Forget the last round (before a new all-reduce)."""
         self.table.zero_()
 
     def note(self, member: int, outlier: bool) -> None:
+        """One more part reduced with member ``member`` (group index), an outlier there or not."""
         if 0 <= member < MAX_MEMBERS:
             self.table[member, 0] += 1.0
             self.table[member, 1] += float(outlier)
@@ -164,9 +167,9 @@ def _runner_classes():
         async def accumulate_part(self, sender_index: int, part_index: int, tensor_part: torch.Tensor,
                                   weight: float = 1.0) -> torch.Tensor:
             tensor_part._p2p_sender = sender_index  # which row of the part this is (see _Collector)
-            # the sender's own word on its weight counts only up to its capped gathered claim
-            weight = min(float(weight), max(self.weights[sender_index], MIN_WEIGHT))
-            return await super().accumulate_part(sender_index, part_index, tensor_part, weight=weight)
+            # the capped gathered claim, never the weight the sender wrote into its message
+            return await super().accumulate_part(sender_index, part_index, tensor_part,
+                                                 weight=max(self.weights[sender_index], MIN_WEIGHT))
 
         def merge_part(self, parts: list) -> torch.Tensor:
             """One part's merge: :func:`merge_points` of the senders' parts, by sender index."""
@@ -189,6 +192,7 @@ def _runner_classes():
             if merge is None:
                 return
             members = [self.ordered_peer_ids.index(peer) for peer in self.sender_peer_ids]
+            self.tensor_part_reducer.finished.set()  # hivemind's own, unused: finished quietly
             self.tensor_part_reducer = RobustPartReducer(
                 tuple(part.shape for part in self.parts_for_local_averaging), len(self.sender_peer_ids),
                 weights=[merge["weights"][i] for i in members], members=members, rule=merge["rule"],

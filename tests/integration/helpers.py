@@ -42,7 +42,7 @@ def status_json(initial_peers, run_id: str, *extra: str) -> dict:
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 
-def wait_for(predicate, timeout: float, interval: float = 1.0, message: str = ""):
+def wait_for(predicate, timeout: float, interval: float = 0.5, message: str = ""):
     """Poll ``predicate`` until it returns something truthy; fail after ``timeout`` seconds."""
     deadline = time.monotonic() + timeout
     while True:

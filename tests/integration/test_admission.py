@@ -215,7 +215,7 @@ def test_a_private_swarm_refuses_rogues_and_drops_a_revoked_island_within_a_reco
         report_path = tmp_path / "rogues.json"
         attack = swarm.start_process("rogues", "p2p_diloco.lab.rogues", "--dir", str(rogues), "--initial-peers",
                                      *swarm.initial_peers, "--target", *targets_of(start[0], RUN, 2)[:1],
-                                     "--attacks", "1", "--out", str(report_path))
+                                     "--attacks", "1", "--pause", "0", "--out", str(report_path))
 
         def live():  # the islands the bootstrap node's dashboard sees (it reads the DHT as an admitted peer)
             with urllib.request.urlopen(swarm.dashboard_url + "api/status", timeout=10) as response:

@@ -24,7 +24,7 @@ def test_a_whole_swarm_restarts_from_its_checkpoints_without_losing_a_round(tmp_
         first.start_bootstrap()
         for index, name in enumerate(names):
             first.start_island(name, *flags(name, index))
-        wait_for(lambda: all(len([e for e in events_of(first.events_path(n), "round") if e["outcome"] == "ok"]) >= 3
+        wait_for(lambda: all(len([e for e in events_of(first.events_path(n), "round") if e["outcome"] == "ok"]) >= 2
                              for n in names), timeout=150, message="rounds before the stop")
         wait_for(lambda: all(events_of(first.events_path(n), "checkpoint") for n in names), timeout=30,
                  message="periodic checkpoints")

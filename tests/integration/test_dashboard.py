@@ -41,7 +41,9 @@ def swarm(tmp_path_factory):
     try:
         swarm.start_bootstrap("--dashboard-port", "0")
         for index, name in enumerate(ISLANDS):
-            swarm.start_island(name, *FAST, "--data-shard-index", str(index))
+            # evals every 5 steps and a flag at the first outlier round: the attacker test waits less
+            swarm.start_island(name, *FAST, "--data-shard-index", str(index), "--eval-every", "5",
+                               "--outer-outlier-rounds", "1")
         swarm.standalone_url = swarm.start_dashboard("--departed-keep", "4", "--interval", "0.5")
     except BaseException:
         swarm.close()

@@ -55,7 +55,7 @@ def test_islands_behind_two_nat_routers_share_the_public_islands_rounds(tmp_path
         public_left = events_of(paths["public"], "stop")[0]["t"]
         wait_for(lambda: all(len([e for e in events_of(paths[name], "round") if e["t_start"] > public_left + 1.0]) >= 2
                              for name in names[1:]), 60, message="two rounds of each client alone")
-        assert [swarm.islands[name].stop() for name in names[1:]] == [0, 0]
+        assert swarm.stop_islands(names[1:]) == [0, 0]
     finally:
         swarm.close()
         lab.close()

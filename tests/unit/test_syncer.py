@@ -203,7 +203,8 @@ def test_a_restarted_island_adopts_the_flags_of_a_majority():
 
 
 def _member(island, **fields):
-    return {"island": island, "version": 0, "hash": "h", "weight": 1.0, "delta_max": 0.5,
+    # 1000 tokens in 1 step: weight 1000^2 / 1 / WEIGHT_UNIT = 1.0
+    return {"island": island, "version": 0, "hash": "h", "weight": 1.0, "tokens": 1000, "steps": 1, "delta_max": 0.5,
             "norms": [1.0, 1.0], **fields}
 
 
@@ -211,6 +212,8 @@ def _member(island, **fields):
     ("none", "mean", {"delta_max": float("nan")}),
     ("none", "mean", {"delta_max": float("inf")}),
     ("none", "mean", {"delta_max": 1e30}),
+    ("none", "mean", {"weight": 1e6}),  # not tokens^2 / steps of its own claims
+    ("none", "mean", {"tokens": None}),
     ("none", "rda", {"norms": [1e300, 1.0]}),  # no clipped Delta is that long
     ("none", "rda", {"norms": [1.0]}),
     ("int4", "mean", {"exponents": np.full(2, 30, "<i2").tobytes()}),  # a grid coarser than its values need
