@@ -13,6 +13,7 @@ check lets through (``--debug-attack``, :class:`p2p_diloco.lab.faults.AttackingF
   noise        its update plus 10 standard deviations of Gaussian noise
   bias         its update plus 1 standard deviation along one fixed direction, every round
   replay       its first update, again in every round
+  lying_reducer  honest updates, but every part it reduces returned reversed
   mean:flip+inflate  the attack against the plain mean (no defence), for scale
 
 Figures per arm: the honest islands' final eval loss (mean) and its ratio to the clean arm's, the
@@ -36,7 +37,7 @@ from p2p_diloco import files  # noqa: E402
 from p2p_diloco.island.events import read_events  # noqa: E402
 from p2p_diloco.lab.experiment import Arm, run_arm, run_script, table  # noqa: E402
 
-ATTACK_ARMS = ["flip+inflate", "inflate", "flip", "noise", "bias", "replay", "mean:flip+inflate"]
+ATTACK_ARMS = ["flip+inflate", "inflate", "flip", "noise", "bias", "replay", "lying_reducer", "mean:flip+inflate"]
 
 
 def build(islands: int, attackers: int, steps: int) -> list[Arm]:
