@@ -27,6 +27,24 @@ def cli(*args: str, timeout: float = 120) -> subprocess.CompletedProcess:
                           timeout=timeout)
 
 
+def cli_in_background(*args: str, timeout: float = 120):
+    """Start ``python -m p2p_diloco ARGS`` now; returns a function that waits for it (up to
+    ``timeout`` s from now) and gives its CompletedProcess, so that a test overlaps it with a wait."""
+    command = [sys.executable, "-m", "p2p_diloco", *args]
+    popen = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + timeout
+
+    def done() -> subprocess.CompletedProcess:
+        try:
+            out, err = popen.communicate(timeout=max(1.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            popen.kill()
+            out, err = popen.communicate()
+        return subprocess.CompletedProcess(command, popen.returncode, out, err)
+
+    return done
+
+
 def assert_clean_error(done: subprocess.CompletedProcess, code: int, needle: str) -> None:
     """The command failed with exit ``code`` and one ``error:`` line naming ``needle``, no traceback."""
     assert done.returncode == code, (done.returncode, done.stderr[-2000:])
