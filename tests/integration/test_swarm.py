@@ -19,8 +19,8 @@ import pytest
 
 from p2p_diloco.lab.localswarm import LocalSwarm
 from p2p_diloco.procs import descendants, pid_alive
-from tests.integration.helpers import (FAST, assert_clean_error, cli_in_background, events_of, max_step_gap,
-                                       rounds_by_slot, status_json, wait_for)
+from tests.integration.helpers import (FAST, assert_clean_error, cli, events_of, max_step_gap, rounds_by_slot,
+                                       status_json, wait_for)
 
 pytestmark = pytest.mark.integration
 ISLANDS = ["island-0", "island-1", "island-2"]
@@ -43,16 +43,7 @@ def swarm(tmp_path_factory):
         names = {i["island"] for i in snapshot["islands"] if i["state"] == "training"}
         return time.time() if names == set(ISLANDS) else None
 
-    # each status is a process of its own, competing with the islands' start: ask once they step
-    wait_for(lambda: all(events_of(path, "step") for path in _paths(swarm).values()), timeout=120,
-             message="every island's first step")
-    swarm.visible_at = wait_for(all_training, timeout=120, interval=1.0,
-                                message="3 training islands in `status --json`")
-    # an island of another fingerprint tries to join now; its refusal is checked by its own test
-    swarm.other = cli_in_background("peer", "--run-id", swarm.run_id, "--island", "other", *FAST,
-                                    "--model-num-layers", "2", "--host-maddrs", "/ip4/127.0.0.1/tcp/0",
-                                    "--initial-peers", *swarm.initial_peers,
-                                    "--log-jsonl", str(swarm.workdir / "other.events.jsonl"))
+    swarm.visible_at = wait_for(all_training, timeout=120, message="3 training islands in `status --json`")
     up_at = max(events_of(path, "start")[0]["t"] for path in _paths(swarm).values())
     print(f"visible {swarm.visible_at - launched:.1f} s after launch, {swarm.visible_at - up_at:.1f} s after the "
           "last DHT came up")
@@ -94,8 +85,11 @@ def test_members_of_a_shared_round_hold_identical_theta(swarm):
         assert len({e["new_version"] for e in members.values()}) == 1
 
 
-def test_an_island_of_another_fingerprint_is_refused_and_touches_nothing(swarm):
-    assert_clean_error(swarm.other(), 4, "fingerprint")  # started by the fixture once the swarm trained
+def test_an_island_of_another_fingerprint_is_refused_and_touches_nothing(swarm, tmp_path):
+    done = cli("peer", "--run-id", swarm.run_id, "--island", "other", *FAST, "--model-num-layers", "2",
+               "--host-maddrs", "/ip4/127.0.0.1/tcp/0", "--initial-peers", *swarm.initial_peers,
+               "--log-jsonl", str(tmp_path / "other.events.jsonl"))
+    assert_clean_error(done, 4, "fingerprint")
     assert all(island.alive() for name, island in swarm.islands.items() if name in ISLANDS)
     assert all("other" not in e.get("members", []) for path in _paths(swarm).values() for e in events_of(path, "round"))
 
