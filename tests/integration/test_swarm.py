@@ -123,8 +123,13 @@ def test_a_late_joiner_loads_the_state_through_a_restarted_bootstrap_contributes
     joins = events_of(path, "join")
     # state came from peers, not the seed
     assert len(joins) == 2 and all(j["version"] > 0 for j in joins), swarm.islands["late"].log_path.read_text()[-3000:]
-    assert first["base_version"] == first["group_max_version"]  # not stale
-    assert first["canonical"] and first["group_size"] >= 2
+    # not stale; or, when it joined while the others' records still showed the version before a round
+    # they were finishing (a joiner takes only the state the records vouch for, and a repair follows a
+    # newer version only once 2 islands' records show it: docs/SECURITY.md), one version behind, and
+    # then it reloads the round's result from a member that holds it
+    assert first["group_size"] >= 2
+    assert (first["canonical"] and first["base_version"] == first["group_max_version"]) or (
+        first["base_version"] == first["group_max_version"] - 1 and first.get("reloaded")), first
     # SIGKILL: the others go on without it, their inner loops never pause, and its helpers die with it
     tree = descendants(joiner.pid)
     assert tree, "the island's DHT, averagers and p2pd should be running"
