@@ -33,6 +33,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
+from _common import select_arms  # noqa: E402
+
 from p2p_diloco import files  # noqa: E402
 from p2p_diloco.island.events import read_events  # noqa: E402
 from p2p_diloco.lab.experiment import Arm, run_arm, run_script, table  # noqa: E402
@@ -97,12 +99,7 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
     if not 1 <= args.attackers < args.islands / 2:
         parser.error("--attackers must be at least 1 and fewer than half the islands")
-    arms = build(args.islands, args.attackers, args.steps)
-    if args.arms:
-        unknown = sorted(set(args.arms) - {a.name for a in arms})
-        if unknown:
-            parser.error(f"unknown arm(s) {', '.join(unknown)}; E8 has {', '.join(a.name for a in arms)}")
-        arms = [a for a in arms if a.name in args.arms]
+    arms = select_arms(parser, build(args.islands, args.attackers, args.steps), args.arms)
     out = Path(args.out or f"runs/experiments/e8-{time.strftime('%Y%m%d-%H%M%S')}")
 
     def body():
