@@ -19,22 +19,24 @@ from typing import Sequence
 import torch
 
 AGGREGATORS = ("mean", "centered_clip")
+PAIR_RATIO = 2.0  # a 2-contributor round's merged update may be at most this x the shorter member's
 
 
 def cap_weights(weights: Sequence[float], ratio: float, floor: float = 0.0) -> list[float]:
-    """Each member's weight capped at ``ratio`` times the median weight of the members that weigh
-    more than ``floor`` (listeners, which contribute nothing, do not drag the median down).
+    """Each member's weight capped at ``ratio`` times the lower median weight of the members that
+    weigh more than ``floor`` (listeners, which contribute nothing, do not drag the median down).
 
     A member that claims an enormous weight (a huge token count) so weighs at most ``ratio`` x the
-    median: among K contributing members whose K - 1 others are honest and weigh alike, its share of
-    the round is at most r / (r + K - 1): for the default r = 1.5 (``outer.weight_cap``), 0.43 of a
-    group of 3, 0.33 of 4, 0.18 of 8, never more than 1.5x a fair 1/K share plus the median's own
-    shift. Honest islands keep their tokens^2/steps ordering up to the cap: an island 1.5x the
-    median's speed weighs 1.5x, a faster one no more (the price of the bound). Every member computes
-    the same caps from the same gathered metadata.
+    lower median: among K contributing members whose K - 1 others are honest and weigh alike, the
+    lower median is an honest weight and its share of the round is at most r / (r + K - 1): for the
+    default r = 1.5 (``outer.weight_cap``), 0.6 of a pair, 0.43 of a group of 3, 0.33 of 4, 0.18 of
+    8. (The lower median, not the mean of the two middle claims: of a pair, that mean is half the
+    attacker's own claim.) Honest islands keep their tokens^2/steps ordering up to the cap: an island
+    1.5x the median's speed weighs 1.5x, a faster one no more (the price of the bound). Every member
+    computes the same caps from the same gathered metadata.
 
     :param weights: per member, its claimed weight (finite, >= 0)
-    :param ratio: the cap as a multiple of the median (> 0)
+    :param ratio: the cap as a multiple of the lower median (> 0)
     :param floor: weights at or below it are not counted in the median
     :returns: the capped weights, same order
     :raises ValueError: ratio not positive
@@ -44,8 +46,35 @@ def cap_weights(weights: Sequence[float], ratio: float, floor: float = 0.0) -> l
     counted = [float(w) for w in weights if w > floor]
     if not counted:
         return [float(w) for w in weights]
-    cap = ratio * statistics.median(counted)
+    cap = ratio * statistics.median_low(counted)
     return [min(float(w), cap) for w in weights]
+
+
+def pair_within_bound(merged_norm: float, norms: Sequence[float], ratio: float = PAIR_RATIO) -> bool:
+    """Whether the merged update of a round with exactly 2 contributors may be applied: its norm is
+    at most ``ratio`` x the shorter of the two members' reported update norms
+    (docs/SECURITY.md, "Two contributors").
+
+    Of two members, nothing tells which one is honest, so neither may steer the result far: the
+    capped weighted mean of two honest updates is never longer than the longer one (triangle
+    inequality), within 2x the shorter for speeds up to about 2x apart; a reversed update at the
+    bound or loud noise makes it many times longer. A member that under-reports its norm only
+    tightens the bound (the round is rejected, nothing applied), and one that over-reports does not
+    loosen it (the shorter norm counts), so an attacker's pair round moves the model by at most
+    ``ratio`` x an honest member's update. Every member computes the same answer from the same
+    result and metadata.
+
+    :param merged_norm: ||merged pseudo-gradient||_2 of the fragment
+    :param norms: the 2 contributors' reported ||Delta||_2 (finite, >= 0)
+    :param ratio: the bound over the shorter norm (> 0)
+    :returns: True when the result is within the bound
+    :raises ValueError: not exactly 2 norms, or ratio not positive
+    """
+    if len(norms) != 2:
+        raise ValueError(f"a pair has 2 norms, got {len(norms)}")
+    if not ratio > 0:
+        raise ValueError(f"ratio must be positive, got {ratio}")
+    return math.isfinite(merged_norm) and merged_norm <= ratio * min(float(n) for n in norms)
 
 
 @dataclass

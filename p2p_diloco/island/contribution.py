@@ -74,6 +74,7 @@ class RoundFormat:
         self.ceilings = [grid.ceiling_exponent(1.0 if rda else config.max_delta, self.levels) if self.levels else 0
                          for rda in self.rda]
         self.norm_limits = [config.max_delta * math.sqrt(s.numel()) * (1 + 1e-6) + 1e-30 for s in self.shapes]
+        self.fragment_norm_limit = config.max_delta * math.sqrt(sum(s.numel() for s in self.shapes)) * (1 + 1e-6)
         self.chunks = grid.num_chunks(self.shapes)
         self.weight_cap = config.weight_cap
         # how every member's reducer merges its parts (the run's, like the rest of this format)
@@ -96,11 +97,12 @@ class RoundFormat:
 
     def write(self, contribution: Contribution, buffers: Sequence[torch.Tensor]) -> dict:
         """Put the contribution into the channel's buffers; returns what the gathered metadata
-        reports of it: ``delta_max`` (the largest |value| sent), ``norms`` and, with a low-bit codec,
-        ``exponents`` (the grid each chunk needs)."""
+        reports of it: ``delta_max`` (the largest |value| sent), ``delta_norm`` (||Delta||_2 of the
+        whole fragment, for the pair bound), ``norms`` and, with a low-bit codec, ``exponents`` (the
+        grid each chunk needs)."""
         self.encode(contribution.values, buffers)
         report = {"delta_max": wire.max_abs_sent(buffers, 0.0 if self.levels else self.offsets),
-                  "norms": contribution.norms}
+                  "delta_norm": fragment_norm(contribution.delta), "norms": contribution.norms}
         if self.levels:
             report["exponents"] = grid.exponents_report(buffers, self.levels)
         return report
@@ -135,13 +137,14 @@ class RoundFormat:
 
     def misreporting(self, members: Sequence[dict], island: str) -> list[str]:
         """Other members whose gathered metadata no honest member would send: a largest sent value
-        out of bounds (NaN, Inf, huge), a weight that is not tokens^2 / steps of its own claims, a
-        version no run reaches,
-        grid exponents beyond what that value needs, or RDA norms that no clipped pseudo-gradient
-        can have."""
+        out of bounds (NaN, Inf, huge), an update norm that no clipped pseudo-gradient can have, a
+        weight that is not tokens^2 / steps of its own claims, a version no run reaches, grid
+        exponents beyond what that value needs, or RDA norms that no clipped pseudo-gradient can
+        have."""
         culprits = []
         for m in members:
             honest = (reported_within(m.get("delta_max"), self.report_bound) and consistent_weight(m)
+                      and reported_within(m.get("delta_norm"), self.fragment_norm_limit) and m["delta_norm"] >= 0
                       and 0 <= m["version"] <= MAX_VERSION)
             if honest and self.levels:
                 report = m.get("exponents")
@@ -169,6 +172,17 @@ class RoundFormat:
         if self.levels:
             return all(grid.within_grid(t, e, self.levels) for t, e in zip(merged, exponents))
         return True
+
+    def pair_within_bound(self, merged: Sequence[torch.Tensor], members: Sequence[dict]) -> bool:
+        """False when a robust run's round had exactly 2 contributors (members that weigh more than
+        a listener) and its merged pseudo-gradient is longer than
+        :func:`p2p_diloco.algo.robust.pair_within_bound` allows (docs/SECURITY.md, "Two
+        contributors"); True otherwise, and always with the plain ``mean`` aggregator. Call it on
+        members that passed :meth:`misreporting`."""
+        if self.merge_rule.aggregator == "mean":
+            return True
+        norms = [float(m["delta_norm"]) for m in members if m["weight"] > LISTENER_WEIGHT]
+        return len(norms) != 2 or robust.pair_within_bound(fragment_norm(merged), norms)
 
     def unaveraged(self, merged: Sequence[torch.Tensor], sent: Sequence[torch.Tensor], members: Sequence[dict],
                    weight: float, failed: int, failed_mask: torch.Tensor) -> Optional[list[torch.Tensor]]:
@@ -227,6 +241,11 @@ class RoundFormat:
         else:
             sent = [outer.rescale(s, n) if rda else s for s, n, rda in zip(sent, contribution.norms, self.rda)]
         return [x + (d - s) for x, d, s in zip(local, contribution.delta, sent)]
+
+
+def fragment_norm(tensors: Sequence[torch.Tensor]) -> float:
+    """||tensors||_2 over all of them (float64 sums of squares)."""
+    return math.sqrt(sum(float(t.detach().to(torch.float64).square().sum()) for t in tensors))
 
 
 def reported_within(value, bound: float) -> bool:

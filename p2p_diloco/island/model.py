@@ -14,7 +14,7 @@ import torch
 
 from p2p_diloco.config import ModelConfig, OuterConfig
 
-PROTOCOL_VERSION = 3  # bump when the wire format of rounds or state downloads changes
+PROTOCOL_VERSION = 4  # bump when the wire format of rounds or state downloads changes
 
 
 @dataclass(frozen=True)

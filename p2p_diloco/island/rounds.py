@@ -39,7 +39,8 @@ class RoundOutcome:
 
     :param outcome: ``ok`` (a group of 2+ averaged), ``empty`` (a group whose members all had
         nothing to contribute: nothing to apply), ``fallback`` (no group: the island's own
-        pseudo-gradient), ``rejected`` (a member sent garbage: nothing applied), ``nonfinite`` (our
+        pseudo-gradient), ``rejected`` (a member sent garbage, or a pair's result was longer than
+        the pair bound: nothing applied), ``nonfinite`` (our
         own parameters went NaN/Inf), ``cancelled`` (the syncer stopped), ``no_snapshot``
     :param state: the new Theta_p to hand to the learner (None: nothing changes)
     :param base: what the learner's progress is measured from when ``state`` lands; None with a
@@ -137,6 +138,14 @@ class OuterRound:
         merged = self.wire.merge(merged, members)
         if not outer.all_finite(merged):
             return self._reject(members, [], mine, figures)
+        if not self.wire.pair_within_bound(merged, members):
+            # 2 contributors, a result far longer than the shorter update: one of them steered it,
+            # and nothing tells which (docs/SECURITY.md, "Two contributors")
+            logger.warning("fragment %d: the pair round with %s gave an update longer than %.0fx the shorter one's: "
+                           "not applied", p, ", ".join(sorted(m["island"] for m in members if m["island"] != self.island)),
+                           robust.PAIR_RATIO)
+            figures["unbounded"] = True
+            return self._reject(members, [], mine, figures)
         if figures["unaveraged"] >= 1.0:
             return None
         base = self.wire.carry_base(snapshot.params, mine, sent)
@@ -206,9 +215,10 @@ class OuterRound:
         figures["suspect_reducers"] = sorted(far)
 
     def _reject(self, members: list[dict], culprits: list[str], mine: Contribution, figures: dict) -> RoundOutcome:
-        """A member sent NaN, Inf, unclipped values or lied in its metadata: the round's result is not
-        applied by anyone (every member sees the same result and metadata and decides alike, so their
-        Theta stay identical and no inner progress is lost: it goes into the next round). Members
+        """A member sent NaN, Inf, unclipped values or lied in its metadata, or a pair's result broke
+        the pair bound: the round's result is not applied by anyone (every member sees the same
+        result and metadata and decides alike, so their Theta stay identical and no inner progress
+        is lost: it goes into the next round). Members
         whose own report of what they sent is out of bounds (or ``culprits`` found otherwise) are
         flagged and kept out of our later rounds."""
         culprits = sorted(set(culprits) | set(self.wire.out_of_bounds(members, self.island)))

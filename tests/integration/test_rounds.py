@@ -153,8 +153,8 @@ def test_token_weights_decide_the_mean_up_to_the_cap(group):
     a, b = group([_moved(theta, 1, 0.01), _moved(theta, 2, 0.02)], theta)
     b.learner.tokens, b.learner.steps = 3 * 4096, 2  # 9x a's weight (tokens^2 / steps)
     run_round(a, b)
-    # capped at 1.5x the median weight (5): 7.5 (docs/SECURITY.md)
-    merged = outer.weighted_mean([outer.pseudo_gradient(theta, m.learner.params) for m in (a, b)], [1.0, 7.5])
+    # capped at 1.5x the lower median weight (a's 1): 1.5 (docs/SECURITY.md)
+    merged = outer.weighted_mean([outer.pseudo_gradient(theta, m.learner.params) for m in (a, b)], [1.0, 1.5])
     for got, want in zip(b.theta, nesterov_step(theta, merged)):
         torch.testing.assert_close(got, want, rtol=0, atol=1e-5)
     assert a.store.hashes == b.store.hashes
@@ -225,6 +225,22 @@ def test_an_attacker_within_the_bounds_is_clipped_then_flagged_and_members_stay_
     # the next round, the honest members meet without it
     events = run_round(a, b, x)
     assert [e["outcome"] for e in events] == ["ok", "ok", "fallback"] and events[0]["members"] == ["a", "b"]
+
+
+def test_a_pair_round_with_an_attacker_is_not_applied(group):
+    """Of 2 contributors nothing tells the attacker apart, but its reversed update at the bound makes
+    the merged update far longer than the honest one: the honest member applies nothing (its
+    progress goes into its next round) and flags nobody; a listener beside them does not change that."""
+    theta = _params(0)
+    attacker = AttackingFormat(CONFIG, NAMES, SHAPES, attacks=["flip", "inflate"])
+    a, x, listener = group([_moved(theta, 1, 0.01), _moved(theta, 3, 0.01), theta], theta, names="axl",
+                           wires=[None, attacker])
+    listener.learner.tokens = listener.learner.steps = 0
+    events = run_round(a, x, listener)
+    assert events[0]["outcome"] == events[2]["outcome"] == "rejected" and events[0]["unbounded"] is True
+    assert events[0]["members"] == ["a", "l", "x"] and events[0]["culprits"] == []
+    assert a.store.versions == listener.store.versions == [0] and a.store.hashes == [outer.tensors_hash(theta)]
+    assert not a.learner.updates and a.stats.rounds_rejected == 1 and "x" not in a.quarantine
 
 
 def test_a_reducer_that_returns_the_average_reversed_is_caught_by_the_members_it_lied_to(group):

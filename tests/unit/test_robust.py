@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from p2p_diloco.algo import wire
-from p2p_diloco.algo.robust import cap_weights, centered_clip
+from p2p_diloco.algo.robust import cap_weights, centered_clip, pair_within_bound
 
 
 def reference_centered_clip(x: np.ndarray, w: np.ndarray, factor: float, iterations: int) -> np.ndarray:
@@ -34,13 +34,38 @@ def test_weight_caps_bound_one_claim_and_keep_honest_ratios():
     assert cap_weights([1e-12, 1e-12, 3.0, 5.0], 2.0, floor=1e-12) == [1e-12, 1e-12, 3.0, 5.0]
     assert cap_weights([0.0, 0.0], 2.0) == [0.0, 0.0]
     # the share bound of the docstring: 1 inflated member among K - 1 honest ones of equal weight
-    for k in (3, 4, 8):
+    for k in (2, 3, 4, 8):
         capped = cap_weights([1.0] * (k - 1) + [1e12], 2.0)
         assert capped[-1] / sum(capped) == pytest.approx(2.0 / (k + 1))
         capped = cap_weights([1.0] * (k - 1) + [1e12], 1.5)
         assert capped[-1] / sum(capped) == pytest.approx(1.5 / (1.5 + k - 1))
+    # of a pair, the lower median: the mean of the two middle claims would be half the attacker's own
+    assert cap_weights([1.0, 1e12], 1.5) == [1.0, 1.5]
+    assert cap_weights([1.0, 9.0], 1.5) == [1.0, 1.5]
     with pytest.raises(ValueError, match="ratio"):
         cap_weights([1.0], 0.0)
+
+
+def test_a_pair_round_is_bounded_by_the_shorter_update():
+    rng = np.random.default_rng(1)
+    honest = [torch.from_numpy(rng.normal(size=4000)) for _ in range(2)]
+    shared = torch.from_numpy(rng.normal(size=4000))
+    a, b = 0.6 * shared + 0.4 * honest[0], 2.0 * (0.6 * shared + 0.4 * honest[1])  # b twice as long (2x the steps)
+    norms = [float(a.norm()), float(b.norm())]
+    for weights in ([1.0, 1.0], [1.0, 1.5]):  # equal, and b's capped claim
+        merged = (weights[0] * a + weights[1] * b) / sum(weights)
+        assert pair_within_bound(float(merged.norm()), norms)
+    # an attacker reversed at the bound (every element at +-1 against an update of RMS ~0.02), capped at 1.5x
+    small = 0.02 * a / a.std()
+    flipped = -torch.sign(small)
+    merged = (small + 1.5 * flipped) / 2.5
+    assert not pair_within_bound(float(merged.norm()), [float(small.norm()), float(flipped.norm())])
+    # lying about its norm does not help it: the shorter one counts
+    assert not pair_within_bound(float(merged.norm()), [float(small.norm()), 1e9])
+    assert not pair_within_bound(float("nan"), [1.0, 1.0])
+    assert pair_within_bound(2.0, [1.0, 5.0]) and not pair_within_bound(2.01, [1.0, 5.0])
+    with pytest.raises(ValueError, match="2 norms"):
+        pair_within_bound(1.0, [1.0])
 
 
 def test_centered_clip_matches_the_reference():

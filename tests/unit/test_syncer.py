@@ -205,13 +205,16 @@ def test_a_restarted_island_adopts_the_flags_of_a_majority():
 def _member(island, **fields):
     # 1000 tokens in 1 step: weight 1000^2 / 1 / WEIGHT_UNIT = 1.0
     return {"island": island, "version": 0, "hash": "h", "weight": 1.0, "tokens": 1000, "steps": 1, "delta_max": 0.5,
-            "norms": [1.0, 1.0], **fields}
+            "delta_norm": 1.0, "norms": [1.0, 1.0], **fields}
 
 
 @pytest.mark.parametrize("codec,merge,lie", [
     ("none", "mean", {"delta_max": float("nan")}),
     ("none", "mean", {"delta_max": float("inf")}),
     ("none", "mean", {"delta_max": 1e30}),
+    ("none", "mean", {"delta_norm": 1e30}),  # no clipped Delta is that long
+    ("none", "mean", {"delta_norm": -1.0}),
+    ("none", "mean", {"delta_norm": None}),
     ("none", "mean", {"weight": 1e6}),  # not tokens^2 / steps of its own claims
     ("none", "mean", {"tokens": None}),
     ("none", "rda", {"norms": [1e300, 1.0]}),  # no clipped Delta is that long
