@@ -145,8 +145,13 @@ class OuterConfig(_Section):
         "times a radius; docs/SECURITY.md)",
     )
     weight_cap: float = Field(
-        1.5, ge=1.0, description="no member weighs more in a round than this many times the median member's "
-        "weight, whatever it claims (docs/SECURITY.md)",
+        1.5, ge=1.0, description="no member weighs more in a round than this many times the lower median "
+        "member's weight, whatever it claims (docs/SECURITY.md)",
+    )
+    pair_ratio: float = Field(
+        2.0, ge=0.0, description="a round of only 2 contributors is applied only if its merged update is at most "
+        "this many times as long as the shorter member's (no majority tells an attacker apart: docs/SECURITY.md); "
+        "0 applies every pair round (trusted islands of very different speeds)",
     )
     clip_radius: float = Field(
         2.0, gt=0.0, description="centered_clip's radius, in median distances of the members to their "
@@ -160,6 +165,13 @@ class OuterConfig(_Section):
         3, ge=1, le=8, description="flag a member that was an outlier in most of the parts it sent us in this "
         "many of its last 2n-1 rounds with us (probation as for garbage)",
     )
+
+    @field_validator("pair_ratio")
+    @classmethod
+    def _pair_ratio(cls, value: float) -> float:
+        if 0.0 < value < 1.0:
+            raise ValueError("must be 0 (no pair bound) or at least 1 (below 1, honest pairs' rounds are refused)")
+        return value
 
     @property
     def fragment_budget(self) -> float:

@@ -76,7 +76,7 @@ class RoundFormat:
         self.norm_limits = [config.max_delta * math.sqrt(s.numel()) * (1 + 1e-6) + 1e-30 for s in self.shapes]
         self.fragment_norm_limit = config.max_delta * math.sqrt(sum(s.numel() for s in self.shapes)) * (1 + 1e-6)
         self.chunks = grid.num_chunks(self.shapes)
-        self.weight_cap = config.weight_cap
+        self.weight_cap, self.pair_ratio = config.weight_cap, config.pair_ratio
         # how every member's reducer merges its parts (the run's, like the rest of this format)
         self.merge_rule = MergeRule(aggregator=config.aggregator, weight_cap=config.weight_cap,
                                     radius_factor=config.clip_radius, outlier_ratio=config.outlier_ratio)
@@ -137,15 +137,14 @@ class RoundFormat:
 
     def misreporting(self, members: Sequence[dict], island: str) -> list[str]:
         """Other members whose gathered metadata no honest member would send: a largest sent value
-        out of bounds (NaN, Inf, huge), an update norm that no clipped pseudo-gradient can have, a
-        weight that is not tokens^2 / steps of its own claims, a version no run reaches, grid
+        out of bounds (NaN, Inf, huge), an update norm that no clipped pseudo-gradient can have (or
+        below its own largest value), a weight that is not tokens^2 / steps of its own claims, a version no run reaches, grid
         exponents beyond what that value needs, or RDA norms that no clipped pseudo-gradient can
         have."""
         culprits = []
         for m in members:
             honest = (reported_within(m.get("delta_max"), self.report_bound) and consistent_weight(m)
-                      and reported_within(m.get("delta_norm"), self.fragment_norm_limit) and m["delta_norm"] >= 0
-                      and 0 <= m["version"] <= MAX_VERSION)
+                      and self._plausible_norm(m) and 0 <= m["version"] <= MAX_VERSION)
             if honest and self.levels:
                 report = m.get("exponents")
                 needed = grid.ceiling_exponent(max(float(m["delta_max"]), 0.0), self.levels)
@@ -158,6 +157,16 @@ class RoundFormat:
             if not honest:
                 culprits.append(m["island"])
         return sorted(c for c in culprits if c != island)
+
+    def _plausible_norm(self, member: dict) -> bool:
+        """The member's ``delta_norm`` is one a clipped update can have and, without RDA tensors (whose
+        wire values are unit directions), no shorter than its own largest sent value (a norm is never
+        below an element; fp32's wire rounding aside): under-reporting would only get pair rounds
+        rejected."""
+        norm = member.get("delta_norm")
+        if not reported_within(norm, self.fragment_norm_limit) or norm < 0:
+            return False
+        return any(self.rda) or norm >= float(member["delta_max"]) * (1 - 1e-3) - 1e-6 * self.max_delta
 
     def out_of_bounds(self, members: Sequence[dict], island: str) -> list[str]:
         """Other members whose own report of what they sent is out of bounds."""
@@ -176,13 +185,13 @@ class RoundFormat:
     def pair_within_bound(self, merged: Sequence[torch.Tensor], members: Sequence[dict]) -> bool:
         """False when a robust run's round had exactly 2 contributors (members that weigh more than
         a listener) and its merged pseudo-gradient is longer than
-        :func:`p2p_diloco.algo.robust.pair_within_bound` allows (docs/SECURITY.md, "Two
-        contributors"); True otherwise, and always with the plain ``mean`` aggregator. Call it on
-        members that passed :meth:`misreporting`."""
-        if self.merge_rule.aggregator == "mean":
+        :func:`p2p_diloco.algo.robust.pair_within_bound` allows with ``outer.pair_ratio``
+        (docs/SECURITY.md, "Two contributors"); True otherwise, and always with the plain ``mean``
+        aggregator or a ratio of 0. Call it on members that passed :meth:`misreporting`."""
+        if self.merge_rule.aggregator == "mean" or self.pair_ratio == 0:
             return True
         norms = [float(m["delta_norm"]) for m in members if m["weight"] > LISTENER_WEIGHT]
-        return len(norms) != 2 or robust.pair_within_bound(fragment_norm(merged), norms)
+        return len(norms) != 2 or robust.pair_within_bound(fragment_norm(merged), norms, self.pair_ratio)
 
     def unaveraged(self, merged: Sequence[torch.Tensor], sent: Sequence[torch.Tensor], members: Sequence[dict],
                    weight: float, failed: int, failed_mask: torch.Tensor) -> Optional[list[torch.Tensor]]:
@@ -225,7 +234,7 @@ class RoundFormat:
 
     def weights(self, members: Sequence[dict]) -> list[float]:
         """The members' merge weights as the reducers used them: their claims capped at
-        ``weight_cap`` x the median (:func:`p2p_diloco.algo.robust.cap_weights`), listeners at
+        ``weight_cap`` x the lower median (:func:`p2p_diloco.algo.robust.cap_weights`), listeners at
         :data:`LISTENER_WEIGHT`."""
         capped = robust.cap_weights([m["weight"] for m in members], self.weight_cap, floor=LISTENER_WEIGHT)
         return [max(w, LISTENER_WEIGHT) for w in capped]

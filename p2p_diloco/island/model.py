@@ -131,6 +131,7 @@ def run_fingerprint(spec: ModelSpec, vocab_size: int, seed: int, tokenizer_sha: 
             "weight_cap": outer.weight_cap,
             "clip_radius": outer.clip_radius,
             "outlier_ratio": outer.outlier_ratio,
+            "pair_ratio": outer.pair_ratio,
         },
     }
     blob = json.dumps(payload, sort_keys=True).encode()

@@ -141,9 +141,10 @@ class OuterRound:
         if not self.wire.pair_within_bound(merged, members):
             # 2 contributors, a result far longer than the shorter update: one of them steered it,
             # and nothing tells which (docs/SECURITY.md, "Two contributors")
-            logger.warning("fragment %d: the pair round with %s gave an update longer than %.0fx the shorter one's: "
-                           "not applied", p, ", ".join(sorted(m["island"] for m in members if m["island"] != self.island)),
-                           robust.PAIR_RATIO)
+            logger.warning("fragment %d: the pair round with %s gave an update longer than %gx the shorter one's: not "
+                           "applied (islands of very different speeds that trust each other: --outer-pair-ratio 0)", p,
+                           ", ".join(sorted(m["island"] for m in members if m["island"] != self.island)),
+                           self.config.pair_ratio)
             figures["unbounded"] = True
             return self._reject(members, [], mine, figures)
         if figures["unaveraged"] >= 1.0:
@@ -218,7 +219,8 @@ class OuterRound:
         """A member sent NaN, Inf, unclipped values or lied in its metadata, or a pair's result broke
         the pair bound: the round's result is not applied by anyone (every member sees the same
         result and metadata and decides alike, so their Theta stay identical and no inner progress
-        is lost: it goes into the next round). Members
+        is lost: it goes into the next round; only parts that no reducer averaged, where a member's
+        view of the failure differs, can split them, which the next base check heals). Members
         whose own report of what they sent is out of bounds (or ``culprits`` found otherwise) are
         flagged and kept out of our later rounds."""
         culprits = sorted(set(culprits) | set(self.wire.out_of_bounds(members, self.island)))

@@ -36,7 +36,7 @@ class MergeRule:
     """How a run's reducers merge parts; the same for every member (the run's fingerprint covers it).
 
     :param aggregator: ``mean`` (the weighted mean) or ``centered_clip``
-    :param weight_cap: no member weighs more than this many times the median weight
+    :param weight_cap: no member weighs more than this many times the lower median weight
     :param radius_factor: CenteredClip's tau over the median distance to the coordinate-wise median
     :param outlier_ratio: a member whose distance to the center is above this many times the median
         distance is an outlier in that part (and left out of it)

@@ -6,6 +6,8 @@ averagers in tests/integration/test_rounds.py."""
 
 from __future__ import annotations
 
+import math
+
 import threading
 import time
 
@@ -215,6 +217,7 @@ def _member(island, **fields):
     ("none", "mean", {"delta_norm": 1e30}),  # no clipped Delta is that long
     ("none", "mean", {"delta_norm": -1.0}),
     ("none", "mean", {"delta_norm": None}),
+    ("none", "mean", {"delta_norm": 0.1}),  # shorter than its own largest value (0.5): it would stall pair rounds
     ("none", "mean", {"weight": 1e6}),  # not tokens^2 / steps of its own claims
     ("none", "mean", {"tokens": None}),
     ("none", "rda", {"norms": [1e300, 1.0]}),  # no clipped Delta is that long
@@ -230,6 +233,20 @@ def test_members_whose_metadata_no_honest_member_sends_are_named(codec, merge, l
     liar = honest | {"island": "b"} | lie
     assert fmt.misreporting([honest, liar], "a") == ["b"]
     assert fmt.misreporting([honest, liar], "b") == []  # nobody names itself
+
+
+def test_a_pair_round_is_bounded_by_the_shorter_update_unless_the_run_says_otherwise():
+    merged = [torch.full(s, 0.1) for s in SHAPES]  # ||merged|| = 0.1 sqrt(numel)
+    length = 0.1 * math.sqrt(sum(s.numel() for s in SHAPES))
+    pair = [_member("a", delta_norm=length / 1.5, delta_max=0.1), _member("b", delta_norm=100.0)]
+    listener = _member("l", weight=0.0, tokens=0, steps=0, delta_norm=0.0)
+    bounded = RoundFormat(CONFIG, ("w", "b"), SHAPES)
+    assert bounded.pair_within_bound(merged, pair) and bounded.pair_within_bound(merged, pair + [listener])
+    pair[0]["delta_norm"] = length / 2.5  # the shorter one counts, whatever the other claims
+    assert not bounded.pair_within_bound(merged, pair) and not bounded.pair_within_bound(merged, pair + [listener])
+    assert bounded.pair_within_bound(merged, pair + [_member("c")])  # 3 contributors: CenteredClip's business
+    for update in ({"pair_ratio": 0.0}, {"aggregator": "mean"}):
+        assert RoundFormat(CONFIG.model_copy(update=update), ("w", "b"), SHAPES).pair_within_bound(merged, pair)
 
 
 def test_malformed_members_are_not_members():
