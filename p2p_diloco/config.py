@@ -149,9 +149,9 @@ class OuterConfig(_Section):
         "member's weight, whatever it claims (docs/SECURITY.md)",
     )
     pair_ratio: float = Field(
-        2.0, ge=0.0, description="a round of only 2 contributors is applied only if its merged update is at most "
-        "this many times as long as the shorter member's (no majority tells an attacker apart: docs/SECURITY.md); "
-        "0 applies every pair round (trusted islands of very different speeds)",
+        2.0, ge=0.0, description="the merged update of a round of only 2 contributors is halved until it is at "
+        "most this many times as long as the shorter member's (no majority tells an attacker apart: "
+        "docs/SECURITY.md); 0: no pair bound (trusted islands of very different speeds)",
     )
     clip_radius: float = Field(
         2.0, gt=0.0, description="centered_clip's radius, in median distances of the members to their "
@@ -170,7 +170,7 @@ class OuterConfig(_Section):
     @classmethod
     def _pair_ratio(cls, value: float) -> float:
         if 0.0 < value < 1.0:
-            raise ValueError("must be 0 (no pair bound) or at least 1 (below 1, honest pairs' rounds are refused)")
+            raise ValueError("must be 0 (no pair bound) or at least 1 (below 1, honest pairs' updates are cut short)")
         return value
 
     @property

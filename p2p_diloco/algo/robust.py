@@ -14,12 +14,12 @@ from __future__ import annotations
 import math
 import statistics
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Optional, Sequence
 
 import torch
 
 AGGREGATORS = ("mean", "centered_clip")
-PAIR_RATIO = 2.0  # a 2-contributor round's merged update may be at most this x the shorter member's
+PAIR_RATIO = 2.0  # a 2-contributor round's merged update is at most this x the shorter member's update
 
 
 def cap_weights(weights: Sequence[float], ratio: float, floor: float = 0.0) -> list[float]:
@@ -50,31 +50,42 @@ def cap_weights(weights: Sequence[float], ratio: float, floor: float = 0.0) -> l
     return [min(float(w), cap) for w in weights]
 
 
-def pair_within_bound(merged_norm: float, norms: Sequence[float], ratio: float = PAIR_RATIO) -> bool:
-    """Whether the merged update of a round with exactly 2 contributors may be applied: its norm is
-    at most ``ratio`` x the shorter of the two members' reported update norms
-    (docs/SECURITY.md, "Two contributors").
+def pair_halvings(merged_norm: float, norms: Sequence[float], ratio: float = PAIR_RATIO) -> Optional[int]:
+    """How many times the merged update of a round with exactly 2 contributors is halved so that its
+    norm is at most ``ratio`` x the shorter of the two members' reported update norms
+    (docs/SECURITY.md, "Two contributors"); 0 when it already is.
 
-    Of two members, nothing tells which one is honest, so neither may steer the result far: the
-    capped weighted mean of two honest updates is never longer than the longer one (triangle
-    inequality), within 2x the shorter for speeds up to about 2x apart; a reversed update at the
-    bound or loud noise makes it many times longer. A member that under-reports its norm only
-    tightens the bound (the round is rejected, nothing applied), and one that over-reports does not
-    loosen it (the shorter norm counts), so an attacker's pair round moves the model by at most
-    ``ratio`` x an honest member's update. Every member computes the same answer from the same
-    result and metadata.
+    Of two members, nothing tells which one is honest, so neither may steer the result far: an
+    attacker's pair round moves the model by at most ``ratio`` x the honest member's update. A
+    member that under-reports its norm only shortens the result, and one that over-reports does not
+    lengthen it (the shorter norm counts). The capped weighted mean of two honest updates is never
+    longer than the longer one, so honest pairs within about 2x of each other are untouched and
+    pairs further apart (speeds 3-4x apart) are shortened, not refused. Halving (multiplying by a
+    power of two) is exact in floating point, so every member that holds the same result and
+    metadata ends with the same bits.
 
     :param merged_norm: ||merged pseudo-gradient||_2 of the fragment
     :param norms: the 2 contributors' reported ||Delta||_2 (finite, >= 0)
     :param ratio: the bound over the shorter norm (> 0)
-    :returns: True when the result is within the bound
+    :returns: k >= 0 such that merged_norm * 2^-k <= ratio * min(norms) (the smallest such k), or
+        None when no k does (a result that is not finite, or a shorter norm of 0): apply nothing
     :raises ValueError: not exactly 2 norms, or ratio not positive
     """
     if len(norms) != 2:
         raise ValueError(f"a pair has 2 norms, got {len(norms)}")
     if not ratio > 0:
         raise ValueError(f"ratio must be positive, got {ratio}")
-    return math.isfinite(merged_norm) and merged_norm <= ratio * min(float(n) for n in norms)
+    bound = ratio * min(float(n) for n in norms)
+    if not math.isfinite(merged_norm):
+        return None
+    if merged_norm <= bound:
+        return 0
+    if not bound > 0:
+        return None
+    k = max(1, math.ceil(math.log2(merged_norm / bound)))
+    while merged_norm * 2.0 ** -k > bound:  # (log2's rounding)
+        k += 1
+    return k
 
 
 @dataclass

@@ -161,8 +161,7 @@ class RoundFormat:
     def _plausible_norm(self, member: dict) -> bool:
         """The member's ``delta_norm`` is one a clipped update can have and, without RDA tensors (whose
         wire values are unit directions), no shorter than its own largest sent value (a norm is never
-        below an element; fp32's wire rounding aside): under-reporting would only get pair rounds
-        rejected."""
+        below an element; fp32's wire rounding aside): under-reporting would shorten pair rounds."""
         norm = member.get("delta_norm")
         if not reported_within(norm, self.fragment_norm_limit) or norm < 0:
             return False
@@ -182,16 +181,16 @@ class RoundFormat:
             return all(grid.within_grid(t, e, self.levels) for t, e in zip(merged, exponents))
         return True
 
-    def pair_within_bound(self, merged: Sequence[torch.Tensor], members: Sequence[dict]) -> bool:
-        """False when a robust run's round had exactly 2 contributors (members that weigh more than
-        a listener) and its merged pseudo-gradient is longer than
-        :func:`p2p_diloco.algo.robust.pair_within_bound` allows with ``outer.pair_ratio``
-        (docs/SECURITY.md, "Two contributors"); True otherwise, and always with the plain ``mean``
-        aggregator or a ratio of 0. Call it on members that passed :meth:`misreporting`."""
+    def pair_halvings(self, merged: Sequence[torch.Tensor], members: Sequence[dict]) -> Optional[int]:
+        """How many times to halve the merged pseudo-gradient of a robust run's round of exactly 2
+        contributors (members that weigh more than a listener):
+        :func:`p2p_diloco.algo.robust.pair_halvings` with ``outer.pair_ratio`` (docs/SECURITY.md,
+        "Two contributors"). 0 for other rounds, with the plain ``mean`` aggregator or a ratio of 0;
+        None: apply nothing. Call it on members that passed :meth:`misreporting`."""
         if self.merge_rule.aggregator == "mean" or self.pair_ratio == 0:
-            return True
+            return 0
         norms = [float(m["delta_norm"]) for m in members if m["weight"] > LISTENER_WEIGHT]
-        return len(norms) != 2 or robust.pair_within_bound(fragment_norm(merged), norms, self.pair_ratio)
+        return robust.pair_halvings(fragment_norm(merged), norms, self.pair_ratio) if len(norms) == 2 else 0
 
     def unaveraged(self, merged: Sequence[torch.Tensor], sent: Sequence[torch.Tensor], members: Sequence[dict],
                    weight: float, failed: int, failed_mask: torch.Tensor) -> Optional[list[torch.Tensor]]:

@@ -39,8 +39,7 @@ class RoundOutcome:
 
     :param outcome: ``ok`` (a group of 2+ averaged), ``empty`` (a group whose members all had
         nothing to contribute: nothing to apply), ``fallback`` (no group: the island's own
-        pseudo-gradient), ``rejected`` (a member sent garbage, or a pair's result was longer than
-        the pair bound: nothing applied), ``nonfinite`` (our
+        pseudo-gradient), ``rejected`` (a member sent garbage: nothing applied), ``nonfinite`` (our
         own parameters went NaN/Inf), ``cancelled`` (the syncer stopped), ``no_snapshot``
     :param state: the new Theta_p to hand to the learner (None: nothing changes)
     :param base: what the learner's progress is measured from when ``state`` lands; None with a
@@ -138,15 +137,17 @@ class OuterRound:
         merged = self.wire.merge(merged, members)
         if not outer.all_finite(merged):
             return self._reject(members, [], mine, figures)
-        if not self.wire.pair_within_bound(merged, members):
-            # 2 contributors, a result far longer than the shorter update: one of them steered it,
-            # and nothing tells which (docs/SECURITY.md, "Two contributors")
-            logger.warning("fragment %d: the pair round with %s gave an update longer than %gx the shorter one's: not "
-                           "applied (islands of very different speeds that trust each other: --outer-pair-ratio 0)", p,
-                           ", ".join(sorted(m["island"] for m in members if m["island"] != self.island)),
-                           self.config.pair_ratio)
-            figures["unbounded"] = True
+        halvings = self.wire.pair_halvings(merged, members)
+        if halvings is None:
             return self._reject(members, [], mine, figures)
+        if halvings:
+            # 2 contributors, a result longer than the bound: one of them may have steered it, and
+            # nothing tells which (docs/SECURITY.md, "Two contributors"); exact, the same bits everywhere
+            merged = [torch.ldexp(t, torch.tensor(-halvings, dtype=torch.int32)) for t in merged]
+            figures["pair_halvings"] = halvings
+            logger.info("fragment %d: the pair round with %s gave an update longer than %gx the shorter one's: "
+                        "halved %d time(s)", p, ", ".join(sorted(m["island"] for m in members if m["island"] != self.island)),
+                        self.config.pair_ratio, halvings)
         if figures["unaveraged"] >= 1.0:
             return None
         base = self.wire.carry_base(snapshot.params, mine, sent)
@@ -216,11 +217,9 @@ class OuterRound:
         figures["suspect_reducers"] = sorted(far)
 
     def _reject(self, members: list[dict], culprits: list[str], mine: Contribution, figures: dict) -> RoundOutcome:
-        """A member sent NaN, Inf, unclipped values or lied in its metadata, or a pair's result broke
-        the pair bound: the round's result is not applied by anyone (every member sees the same
-        result and metadata and decides alike, so their Theta stay identical and no inner progress
-        is lost: it goes into the next round; only parts that no reducer averaged, where a member's
-        view of the failure differs, can split them, which the next base check heals). Members
+        """A member sent NaN, Inf, unclipped values or lied in its metadata: the round's result is not
+        applied by anyone (every member sees the same result and metadata and decides alike, so their
+        Theta stay identical and no inner progress is lost: it goes into the next round). Members
         whose own report of what they sent is out of bounds (or ``culprits`` found otherwise) are
         flagged and kept out of our later rounds."""
         culprits = sorted(set(culprits) | set(self.wire.out_of_bounds(members, self.island)))

@@ -49,7 +49,7 @@ class SyncerStats:
     rounds_ok: int = 0  # rounds that formed a group of 2+ and averaged (or had nothing to apply)
     rounds_failed: int = 0  # rounds that fell back to the island's own pseudo-gradient
     rounds_skipped: int = 0  # slots missed: no snapshot in time, NaN/Inf
-    rounds_rejected: int = 0  # rounds whose result was invalid (a member sent garbage) or unbounded (a pair): not applied
+    rounds_rejected: int = 0  # rounds whose result was invalid (a member sent garbage): not applied
     reloads: int = 0  # fragments downloaded from peers
     state_bytes_sent: int = 0  # fragment states served to peers (payload), bytes
     state_bytes_received: int = 0  # fragment states downloaded (payload), bytes

@@ -40,7 +40,7 @@ class IslandProgress(BaseModel):
     fragment_hashes: List[StrictStr]
     rounds_ok: Count
     rounds_failed: Count
-    rounds_rejected: Count  # results refused: a member sent garbage, or a pair round broke the pair bound
+    rounds_rejected: Count  # results refused because a member sent garbage
     flagged: List[StrictStr]  # islands this one caught sending garbage or far-off updates
     flag_reasons: Dict[StrictStr, StrictStr] = {}  # flagged island -> garbage | outlier | adopted
     refused: List[StrictStr] = []  # peer ids this island refused admission (a private run)

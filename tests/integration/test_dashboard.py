@@ -224,17 +224,16 @@ def test_an_attacker_is_flagged_and_shown_then_killed_departs_and_a_stopped_isla
         page.goto(swarm.dashboard_url)
         page.wait_for_function("window.dashboard && window.dashboard.updates >= 1", timeout=30_000)
         assert page.text_content("#t-flagged") == "victim (outlier)"
-    # its rounds with the honest islands were ok (every value passed the checks) or, where it was one of
-    # only 2 contributors, not applied (the pair bound: docs/SECURITY.md); their eval loss fell
+    # its rounds with the honest islands were ok (every value passed the checks; where it was one of only
+    # 2 contributors, the result was cut short: docs/SECURITY.md); their eval loss fell
     after = wait_for(lambda: all(_evals(swarm, n)[-1]["t"] > max(e["t"] for e in flags) for n in ISLANDS)
                      and {n: _evals(swarm, n)[-1] for n in ISLANDS}, timeout=60, message="evals after the flag")
     attacked = [e for name in ISLANDS for e in _events(swarm, name)
                 if e.get("event") == "round" and "victim" in e.get("members", [])]
-    assert attacked and all(e["outcome"] == "ok" or (e["outcome"] == "rejected" and e.get("unbounded"))
-                            for e in attacked), attacked
+    assert attacked and all(e["outcome"] == "ok" for e in attacked), attacked
     print("eval loss before the attacker, after it was flagged:",
           {n: (before[n]["eval_loss"], after[n]["eval_loss"]) for n in ISLANDS}, f"{len(attacked)} rounds with it",
-          f"({sum(e['outcome'] == 'rejected' for e in attacked)} pair rounds not applied)")
+          f"({sum(bool(e.get('pair_halvings')) for e in attacked)} of them pair rounds cut short)")
     assert all(after[n]["eval_loss"] < before[n]["eval_loss"] for n in ISLANDS)
     swarm.islands["victim"].signal(signal.SIGKILL)
     killed = time.monotonic()

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from p2p_diloco.algo import wire
-from p2p_diloco.algo.robust import cap_weights, centered_clip, pair_within_bound
+from p2p_diloco.algo.robust import cap_weights, centered_clip, pair_halvings
 
 
 def reference_centered_clip(x: np.ndarray, w: np.ndarray, factor: float, iterations: int) -> np.ndarray:
@@ -46,26 +46,27 @@ def test_weight_caps_bound_one_claim_and_keep_honest_ratios():
         cap_weights([1.0], 0.0)
 
 
-def test_a_pair_round_is_bounded_by_the_shorter_update():
+def test_a_pair_round_is_halved_down_to_twice_the_shorter_update():
     rng = np.random.default_rng(1)
     honest = [torch.from_numpy(rng.normal(size=4000)) for _ in range(2)]
     shared = torch.from_numpy(rng.normal(size=4000))
     a, b = 0.6 * shared + 0.4 * honest[0], 2.0 * (0.6 * shared + 0.4 * honest[1])  # b twice as long (2x the steps)
     norms = [float(a.norm()), float(b.norm())]
-    for weights in ([1.0, 1.0], [1.0, 1.5]):  # equal, and b's capped claim
+    for weights in ([1.0, 1.0], [1.0, 1.5]):  # equal, and b's capped claim: untouched
         merged = (weights[0] * a + weights[1] * b) / sum(weights)
-        assert pair_within_bound(float(merged.norm()), norms)
+        assert pair_halvings(float(merged.norm()), norms) == 0
     # an attacker reversed at the bound (every element at +-1 against an update of RMS ~0.02), capped at 1.5x
     small = 0.02 * a / a.std()
     flipped = -torch.sign(small)
     merged = (small + 1.5 * flipped) / 2.5
-    assert not pair_within_bound(float(merged.norm()), [float(small.norm()), float(flipped.norm())])
+    k = pair_halvings(float(merged.norm()), [float(small.norm()), float(flipped.norm())])
+    assert 2 * float(small.norm()) / 2 < float(merged.norm()) * 2.0 ** -k <= 2 * float(small.norm())  # within (B/2, B]
     # lying about its norm does not help it: the shorter one counts
-    assert not pair_within_bound(float(merged.norm()), [float(small.norm()), 1e9])
-    assert not pair_within_bound(float("nan"), [1.0, 1.0])
-    assert pair_within_bound(2.0, [1.0, 5.0]) and not pair_within_bound(2.01, [1.0, 5.0])
+    assert pair_halvings(float(merged.norm()), [float(small.norm()), 1e9]) == k
+    assert pair_halvings(2.0, [1.0, 5.0]) == 0 and pair_halvings(2.01, [1.0, 5.0]) == 1 and pair_halvings(8.5, [1.0, 5.0]) == 3
+    assert pair_halvings(float("nan"), [1.0, 1.0]) is None and pair_halvings(1.0, [0.0, 1.0]) is None
     with pytest.raises(ValueError, match="2 norms"):
-        pair_within_bound(1.0, [1.0])
+        pair_halvings(1.0, [1.0])
 
 
 def test_centered_clip_matches_the_reference():

@@ -241,12 +241,12 @@ def test_a_pair_round_is_bounded_by_the_shorter_update_unless_the_run_says_other
     pair = [_member("a", delta_norm=length / 1.5, delta_max=0.1), _member("b", delta_norm=100.0)]
     listener = _member("l", weight=0.0, tokens=0, steps=0, delta_norm=0.0)
     bounded = RoundFormat(CONFIG, ("w", "b"), SHAPES)
-    assert bounded.pair_within_bound(merged, pair) and bounded.pair_within_bound(merged, pair + [listener])
+    assert bounded.pair_halvings(merged, pair) == bounded.pair_halvings(merged, pair + [listener]) == 0
     pair[0]["delta_norm"] = length / 2.5  # the shorter one counts, whatever the other claims
-    assert not bounded.pair_within_bound(merged, pair) and not bounded.pair_within_bound(merged, pair + [listener])
-    assert bounded.pair_within_bound(merged, pair + [_member("c")])  # 3 contributors: CenteredClip's business
+    assert bounded.pair_halvings(merged, pair) == bounded.pair_halvings(merged, pair + [listener]) == 1
+    assert bounded.pair_halvings(merged, pair + [_member("c")]) == 0  # 3 contributors: CenteredClip's business
     for update in ({"pair_ratio": 0.0}, {"aggregator": "mean"}):
-        assert RoundFormat(CONFIG.model_copy(update=update), ("w", "b"), SHAPES).pair_within_bound(merged, pair)
+        assert RoundFormat(CONFIG.model_copy(update=update), ("w", "b"), SHAPES).pair_halvings(merged, pair) == 0
 
 
 def test_malformed_members_are_not_members():
