@@ -81,11 +81,13 @@ def attack_figures(arm: Arm, folder: Path, attackers: int) -> dict:
             "round_seconds": round(statistics.median(seconds), 2) if seconds else None,
             "honest_rounds_ok": sum(e["outcome"] == "ok" for e in rounds),
             "honest_rounds_rejected": sum(e["outcome"] == "rejected" for e in rounds),
+            "honest_pair_rounds_halved": sum(bool(e.get("pair_halvings")) for e in rounds),
             "flagged": flagged}
 
 
 COLUMNS = [("arm", "arm"), ("honest_eval_loss", "honest eval loss"), ("vs_clean", "vs clean"),
            ("round_seconds", "round s (median)"), ("honest_rounds_ok", "honest rounds ok"),
+           ("honest_pair_rounds_halved", "pair rounds halved"),
            ("flag", "attacker flagged (s after its first round / rounds before / by)"), ("seconds", "wall s")]
 
 
