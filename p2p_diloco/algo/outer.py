@@ -270,5 +270,20 @@ def canonical_base(bases: Sequence[tuple[int, str]]) -> tuple[int, str]:
     return max(shared or counts, key=lambda base: (base[0], counts[base], _reverse(base[1])))
 
 
+def vouched(bases: Sequence[tuple[int, str]]) -> list[tuple[int, str]]:
+    """The reported bases (version, Theta hash) that 2 or more reporters hold when 2 or more report,
+    else the only one: what an island may load from others' records (a joiner's state, a repair's
+    newer version), so that no one island's word decides what another loads (docs/SECURITY.md).
+    Duplicates are kept (one entry per holder), as :func:`canonical_base` counts them.
+
+    :param bases: one entry per reporting island
+    """
+    counts: dict[tuple[int, str], int] = {}
+    for base in bases:
+        counts[base] = counts.get(base, 0) + 1
+    needed = 2 if len(bases) >= 2 else 1
+    return [base for base in bases if counts[base] >= needed]
+
+
 def _reverse(text: str) -> tuple[int, ...]:
     return tuple(-ord(ch) for ch in text)

@@ -43,18 +43,15 @@ class BaseRepair:
         forked alone). Ties are left to the next round, whose gathered metadata is the same for
         every member.
         """
-        bases = [(state.version, state.hash)]
-        for island, versions, hashes in self.swarm_bases():
-            if island not in self.quarantine and len(versions) > p and len(hashes) > p and hashes[p]:
-                bases.append((versions[p], hashes[p]))
-        counts: dict[tuple[int, str], int] = {}
-        for base in bases:
-            counts[base] = counts.get(base, 0) + 1
-        needed = 2 if len(bases) >= 3 else 1  # holders of a newer base, when 2 or more others report
-        newer = [base for base in counts if base[0] > state.version and counts[base] >= needed]
+        others = [(versions[p], hashes[p]) for island, versions, hashes in self.swarm_bases()
+                  if island not in self.quarantine and len(versions) > p and len(hashes) > p and hashes[p]]
+        newer = [base for base in outer.vouched(others) if base[0] > state.version]
         if newer:
             newest = max(version for version, _ in newer)
-            return outer.canonical_base([base for base in bases if base[0] == newest and counts[base] >= needed])
+            return outer.canonical_base([base for base in newer if base[0] == newest])
+        counts: dict[tuple[int, str], int] = {}
+        for base in [(state.version, state.hash), *others]:
+            counts[base] = counts.get(base, 0) + 1
         best = max((base for base in counts if base[0] == state.version), key=counts.__getitem__)
         return best if counts[best] > counts[(state.version, state.hash)] else None
 

@@ -167,12 +167,7 @@ def vouched_bases(bases: list[tuple[list[int], list[str]]], num_fragments: int) 
     else the only island's; None where none qualifies (docs/SECURITY.md: no one donor decides)."""
     result = []
     for p in range(num_fragments):
-        found = [(versions[p], hashes[p]) for versions, hashes in bases
-                 if len(versions) > p and len(hashes) > p and hashes[p]]
-        counts: dict[tuple[int, str], int] = {}
-        for base in found:
-            counts[base] = counts.get(base, 0) + 1
-        needed = 2 if len(found) >= 2 else 1
-        held = [base for base in found if counts[base] >= needed]
+        held = outer.vouched([(versions[p], hashes[p]) for versions, hashes in bases
+                              if len(versions) > p and len(hashes) > p and hashes[p]])
         result.append(outer.canonical_base(held) if held else None)
     return result

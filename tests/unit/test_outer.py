@@ -174,6 +174,13 @@ def test_parts_of_a_failed_reducer_are_zeroed_alike_on_every_member():
     assert wire.find_unaveraged(merged, sent) is None
 
 
+def test_only_bases_two_islands_hold_are_vouched_for_once_two_report():
+    assert outer.vouched([(3, "a")]) == [(3, "a")]  # the only island's word
+    assert outer.vouched([(3, "a"), (9, "x")]) == []  # two disagree: nobody decides alone
+    assert outer.vouched([(3, "a"), (9, "x"), (3, "a")]) == [(3, "a"), (3, "a")]  # one entry per holder
+    assert outer.vouched([]) == []
+
+
 def test_canonical_base():
     assert outer.canonical_base([(3, "b"), (4, "z"), (3, "a")]) == (4, "z")  # newest version wins
     assert outer.canonical_base([(4, "z"), (4, "a"), (4, "z")]) == (4, "z")  # then the majority
