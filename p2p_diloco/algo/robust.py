@@ -61,14 +61,15 @@ def pair_halvings(merged_norm: float, norms: Sequence[float], ratio: float = PAI
     lengthen it (the shorter norm counts). The capped weighted mean of two honest updates is never
     longer than the longer one, so honest pairs within about 2x of each other are untouched and
     pairs further apart (speeds 3-4x apart) are shortened, not refused. Halving (multiplying by a
-    power of two) is exact in floating point, so every member that holds the same result and
-    metadata ends with the same bits.
+    power of two) is exact in floating point (correctly rounded for subnormal results), so every
+    member that holds the same result and metadata ends with the same bits.
 
     :param merged_norm: ||merged pseudo-gradient||_2 of the fragment
     :param norms: the 2 contributors' reported ||Delta||_2 (finite, >= 0)
     :param ratio: the bound over the shorter norm (> 0)
     :returns: k >= 0 such that merged_norm * 2^-k <= ratio * min(norms) (the smallest such k), or
-        None when no k does (a result that is not finite, or a shorter norm of 0): apply nothing
+        None when no reasonable k does (a result that is not finite, or a shorter norm of 0 or so
+        small that k would exceed 1000): apply nothing
     :raises ValueError: not exactly 2 norms, or ratio not positive
     """
     if len(norms) != 2:
@@ -80,9 +81,10 @@ def pair_halvings(merged_norm: float, norms: Sequence[float], ratio: float = PAI
         return None
     if merged_norm <= bound:
         return 0
-    if not bound > 0:
+    excess = merged_norm / bound if bound > 0 else math.inf
+    if not excess < 2.0**1000:  # a shorter norm of 0 or next to it (nothing learned yet, or a lie)
         return None
-    k = max(1, math.ceil(math.log2(merged_norm / bound)))
+    k = max(1, math.ceil(math.log2(excess)))
     while merged_norm * 2.0 ** -k > bound:  # (log2's rounding)
         k += 1
     return k

@@ -138,9 +138,9 @@ class RoundFormat:
     def misreporting(self, members: Sequence[dict], island: str) -> list[str]:
         """Other members whose gathered metadata no honest member would send: a largest sent value
         out of bounds (NaN, Inf, huge), an update norm that no clipped pseudo-gradient can have (or
-        below its own largest value), a weight that is not tokens^2 / steps of its own claims, a version no run reaches, grid
-        exponents beyond what that value needs, or RDA norms that no clipped pseudo-gradient can
-        have."""
+        shorter than its other reports), a weight that is not tokens^2 / steps of its own claims, a
+        version no run reaches, grid exponents beyond what that value needs, or RDA norms that no
+        clipped pseudo-gradient can have."""
         culprits = []
         for m in members:
             honest = (reported_within(m.get("delta_max"), self.report_bound) and consistent_weight(m)
@@ -159,13 +159,21 @@ class RoundFormat:
         return sorted(c for c in culprits if c != island)
 
     def _plausible_norm(self, member: dict) -> bool:
-        """The member's ``delta_norm`` is one a clipped update can have and, without RDA tensors (whose
-        wire values are unit directions), no shorter than its own largest sent value (a norm is never
-        below an element; fp32's wire rounding aside): under-reporting would shorten pair rounds."""
+        """The member's ``delta_norm`` is one a clipped update can have and no shorter than what it
+        reports elsewhere (under-reporting would shorten pair rounds): its largest sent value (a norm
+        is never below an element; fp32's wire rounding aside) or, with RDA tensors (whose wire
+        values are unit directions), the norm of its per-tensor RDA norms."""
         norm = member.get("delta_norm")
         if not reported_within(norm, self.fragment_norm_limit) or norm < 0:
             return False
-        return any(self.rda) or norm >= float(member["delta_max"]) * (1 - 1e-3) - 1e-6 * self.max_delta
+        if any(self.rda):
+            norms = member.get("norms")
+            if not isinstance(norms, list) or not all(reported_within(n, math.inf) for n in norms):
+                return False
+            floor = math.hypot(*(float(n) for n in norms))
+        else:
+            floor = float(member["delta_max"])
+        return norm >= floor * (1 - 1e-3) - 1e-6 * self.max_delta
 
     def out_of_bounds(self, members: Sequence[dict], island: str) -> list[str]:
         """Other members whose own report of what they sent is out of bounds."""

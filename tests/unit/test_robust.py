@@ -65,6 +65,7 @@ def test_a_pair_round_is_halved_down_to_twice_the_shorter_update():
     assert pair_halvings(float(merged.norm()), [float(small.norm()), 1e9]) == k
     assert pair_halvings(2.0, [1.0, 5.0]) == 0 and pair_halvings(2.01, [1.0, 5.0]) == 1 and pair_halvings(8.5, [1.0, 5.0]) == 3
     assert pair_halvings(float("nan"), [1.0, 1.0]) is None and pair_halvings(1.0, [0.0, 1.0]) is None
+    assert pair_halvings(1e-3, [1e-320, 1.0]) is None  # (a subnormal claim: no overflow, nothing applied)
     with pytest.raises(ValueError, match="2 norms"):
         pair_halvings(1.0, [1.0])
 

@@ -207,7 +207,7 @@ def test_a_restarted_island_adopts_the_flags_of_a_majority():
 def _member(island, **fields):
     # 1000 tokens in 1 step: weight 1000^2 / 1 / WEIGHT_UNIT = 1.0
     return {"island": island, "version": 0, "hash": "h", "weight": 1.0, "tokens": 1000, "steps": 1, "delta_max": 0.5,
-            "delta_norm": 1.0, "norms": [1.0, 1.0], **fields}
+            "delta_norm": 1.5, "norms": [1.0, 1.0], **fields}
 
 
 @pytest.mark.parametrize("codec,merge,lie", [
@@ -222,6 +222,7 @@ def _member(island, **fields):
     ("none", "mean", {"tokens": None}),
     ("none", "rda", {"norms": [1e300, 1.0]}),  # no clipped Delta is that long
     ("none", "rda", {"norms": [1.0]}),
+    ("none", "rda", {"delta_norm": 1.2}),  # shorter than the norm of its RDA norms (1, 1): sqrt(2)
     ("int4", "mean", {"exponents": np.full(2, 30, "<i2").tobytes()}),  # a grid coarser than its values need
     ("int4", "mean", {"exponents": b"x"}),
 ])
