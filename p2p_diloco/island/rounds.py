@@ -9,11 +9,12 @@ touch the syncer's counters or the learner; the syncer does, from the outcome.
 
 from __future__ import annotations
 
+import collections
 import logging
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import Callable, Optional, Sequence
 
 import torch
 
@@ -68,16 +69,20 @@ class OuterRound:
     :param config: the outer settings
     :param wire: the fragment's wire format and checks
     :param channel: the fragment's averaging channel
-    :param transfer: state downloads (a member whose base was older or a fork reloads the result)
+    :param transfer: state downloads (an island whose own parameters went NaN/Inf reloads)
     :param quarantine: the islands we keep out of our rounds (and flag when caught)
     :param clock: swarm time (slots are on it; hivemind's matchmaking takes local wall-clock times)
     :param stop: set when the syncer stops: a round in flight is abandoned
+    :param records: (island, fragment versions, fragment hashes) of the other live islands, from
+        their progress records (which hash a round's result has, before we download it)
     """
 
     def __init__(self, *, island: str, config: OuterConfig, wire: RoundFormat, channel: FragmentChannel,
-                 transfer: StateTransfer, quarantine: Quarantine, clock: SwarmClock, stop: threading.Event):
+                 transfer: StateTransfer, quarantine: Quarantine, clock: SwarmClock, stop: threading.Event,
+                 records: Callable[[], Sequence[tuple[str, list[int], list[str]]]] = list):
         self.island, self.config, self.wire, self.channel = island, config, wire, channel
         self.transfer, self.quarantine, self.clock, self.stop = transfer, quarantine, clock, stop
+        self.records = records
 
     def run(self, p: int, slot: RoundSlot, state: FragmentState, snapshot: Snapshot) -> RoundOutcome:
         """Average fragment p's pseudo-gradient ``Theta_p - snapshot`` at ``slot`` and step ``state``."""
@@ -155,8 +160,10 @@ class OuterRound:
 
     def _apply_group_result(self, p: int, state: FragmentState, members: list[dict], merged: list[torch.Tensor],
                             base: list[torch.Tensor], mine: Contribution, figures: dict) -> RoundOutcome:
-        """The new state after a round of 2+ members: the outer step on the canonical base, or the
-        result downloaded from a member that holds it when our base was older or a fork."""
+        """The new state after a round of 2+ members: the outer step on the canonical base, or, when
+        our base was older or a fork, the round's result downloaded once the records of the members
+        that held the canonical base show its hash (:meth:`_reload_result`); without it, the same
+        step on our own base, a fork that the base repair heals later."""
         ours = (state.version, state.hash)
         canonical = outer.canonical_base([(m["version"], m["hash"]) for m in members])
         new_version = canonical[0] + 1  # never from a lone claim (docs/SECURITY.md)
@@ -168,12 +175,30 @@ class OuterRound:
             return RoundOutcome("empty", **done)  # nobody trained anything since the last round
         if ours == canonical:
             return RoundOutcome("ok", state.stepped(merged, new_version, support, **self._optimizer()), base, **done)
-        budget = self.config.allreduce_timeout + self.config.grace_window
-        fresh = self.transfer.download_until(p, min_version=new_version, deadline=time.monotonic() + budget)
+        holders = {m["island"] for m in members if (m["version"], m["hash"]) == canonical} - {self.island}
+        fresh = self._reload_result(p, holders, new_version)
         figures["reloaded"] = fresh is not None
-        # without a donor, keep training on our own fork: the next round's base check heals it
         new_state = fresh if fresh is not None else state.stepped(merged, new_version, 1, **self._optimizer())
         return RoundOutcome("ok", new_state, base, **done)
+
+    def _reload_result(self, p: int, holders: set, version: int) -> Optional[FragmentState]:
+        """The round's result (fragment p at ``version``), taken only with the hash that the records of
+        ``holders`` (the members that held the canonical base) show, 2 of them agreeing when 2 or
+        more held it. The first donor to answer is not trusted: one that served a fork of its own
+        at a newer version once sent an 8-island swarm's eval loss from 6 to 30 (docs/SECURITY.md).
+        None when the records do not show it within the round's budget, or no donor serves it."""
+        deadline = time.monotonic() + self.config.allreduce_timeout + self.config.grace_window
+        needed = 2 if len(holders) >= 2 else 1
+        while not self.stop.is_set() and time.monotonic() < deadline:
+            counts = collections.Counter(hashes[p] for island, versions, hashes in self.records()
+                                         if island in holders and len(versions) > p and len(hashes) > p
+                                         and versions[p] == version and hashes[p])
+            if counts and counts.most_common(1)[0][1] >= needed:
+                want = counts.most_common(1)[0][0]
+                return self.transfer.download_until(p, min_version=version, want_hash=want, exact=True,
+                                                    deadline=deadline)
+            self.stop.wait(0.25)
+        return None
 
     def _weigh_outliers(self, outliers: dict, gathered: dict, figures: dict) -> None:
         """Note, for each member we reduced parts with, whether it was an outlier in most of them (its

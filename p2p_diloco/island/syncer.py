@@ -235,7 +235,8 @@ def wire_syncer(*, island: str, config: OuterConfig, store: FragmentStore, stats
     store.on_publish(lambda p, state: channels[p].set_donor_priority(state.version + min(state.support, 999) / 1000))
     stats.round_traffic = lambda: tuple(sum(moved) for moved in zip(*(channel.traffic() for channel in channels)))
     rounds = [OuterRound(island=island, config=config, wire=wire, channel=channel, transfer=transfer,
-                         quarantine=quarantine, clock=swarm_clock, stop=stop) for wire, channel in zip(formats, channels)]
+                         quarantine=quarantine, clock=swarm_clock, stop=stop, records=swarm_bases)
+              for wire, channel in zip(formats, channels)]
     hand_over = HandOver(store, learner, apply=config.apply, alpha=config.alpha)
     repair = BaseRepair(store=store, transfer=transfer, quarantine=quarantine, swarm_bases=swarm_bases,
                         hand_over=hand_over, events=events, now=swarm_clock.now)

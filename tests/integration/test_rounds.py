@@ -172,16 +172,35 @@ def test_a_listener_and_a_contributor_end_identical(group):
     assert a.store.hashes == b.store.hashes
 
 
-def test_a_member_on_a_fork_reloads_the_result_instead_of_keeping_it(group):
+def test_a_member_on_a_fork_reloads_the_result_its_canonical_partner_records(group):
     theta = _params(0)
     fork = [t + 1e-3 for t in theta]
     a, b = group([[t - 0.01 for t in theta], [t - 0.02 for t in fork]], [theta, fork])
+    a.syncer.rounds[0].records = lambda: [("b", b.store.versions, b.store.hashes)]
+    b.syncer.rounds[0].records = lambda: [("a", a.store.versions, a.store.hashes)]
     events = run_round(a, b)
     (winner, loser) = (a, b) if events[0]["canonical"] else (b, a)
     lost = loser.last
     assert lost["canonical"] is False and lost["reloaded"] is True and lost["outcome"] == "ok"
     assert loser.store.hashes == winner.store.hashes and loser.store.versions == winner.store.versions == [1]
     assert loser.stats.reloads == 1 and any(e["event"] == "donate" for e in winner.events)
+
+
+def test_a_member_on_a_fork_takes_no_donors_word_for_the_result(group):
+    """Without the canonical member's record of the result's hash, the member that was on a fork
+    keeps its own step (a fork the base repair heals later) rather than whatever a donor serves at
+    that version or newer: the first donor to answer may hold a fork of its own (docs/SECURITY.md)."""
+    theta = _params(0)
+    fork = [t + 1e-3 for t in theta]
+    a, b = group([[t - 0.01 for t in theta], [t - 0.02 for t in fork]], [theta, fork])
+    events = run_round(a, b)
+    (winner, loser) = (a, b) if events[0]["canonical"] else (b, a)
+    assert loser.last["canonical"] is False and loser.last["reloaded"] is False and loser.last["outcome"] == "ok"
+    assert loser.store.versions == winner.store.versions == [1] and loser.store.hashes != winner.store.hashes
+    assert loser.stats.reloads == 0
+    # a record of another hash at that version (a member's lie, or a fork of its own) is not taken either
+    loser.syncer.rounds[0].records = lambda: [(winner.name, [1], ["0" * 16])]
+    assert loser.syncer.rounds[0]._reload_result(0, {winner.name}, 1) is None and loser.stats.reloads == 0
 
 
 @pytest.mark.parametrize("garbage", ["nan", "huge"])  # (inf takes nan's path: tests/unit/test_syncer.py)
