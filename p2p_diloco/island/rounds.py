@@ -258,9 +258,16 @@ class OuterRound:
 
     def _recover_from_nonfinite(self, p: int, state: FragmentState) -> RoundOutcome:
         """The island's own parameters went NaN/Inf: never send them; replace them by the global ones
-        (from peers if they have newer, else our own Theta_p) and clear the inner optimizer's state."""
+        (from peers if they hold a newer state that the records vouch for, as a joiner takes it, else
+        our own Theta_p) and clear the inner optimizer's state."""
         logger.error("fragment %d: local parameters have NaN/Inf; not contributing, resetting them", p)
-        fresh = self.transfer.download_until(p, min_version=state.version, deadline=time.monotonic() + 2.0)
+        held = outer.vouched([(versions[p], hashes[p]) for _, versions, hashes in self.records()
+                              if len(versions) > p and len(hashes) > p and hashes[p]])
+        target = outer.canonical_base(held) if held else None
+        fresh = None
+        if target is not None and target[0] >= state.version and target != (state.version, state.hash):
+            fresh = self.transfer.download_until(p, min_version=target[0], want_hash=target[1], exact=True,
+                                                 deadline=time.monotonic() + 2.0)
         return RoundOutcome("nonfinite", fresh or state, None, reset_optimizer=True,
                             figures={"reloaded": fresh is not None})
 
