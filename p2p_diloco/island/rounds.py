@@ -142,6 +142,7 @@ class OuterRound:
         merged = self.wire.merge(merged, members)
         if not outer.all_finite(merged):
             return self._reject(members, [], mine, figures)
+        self._weigh_pair(merged, sent, members, figures)
         halvings = self.wire.pair_halvings(merged, members)
         if halvings is None:
             return self._reject(members, [], mine, figures)
@@ -240,6 +241,26 @@ class OuterRound:
                 logger.error("island %s returned averages that disagree with what the members sent, round after "
                              "round: flagged, its rounds are avoided for %.0f s", island, seconds)
         figures["suspect_reducers"] = sorted(far)
+
+    def _weigh_pair(self, merged: list[torch.Tensor], sent: list[torch.Tensor], members: list[dict],
+                    figures: dict) -> None:
+        """In a round of 2 contributors, of which we are one, note whether the merged update points
+        against the one we sent (a negative dot product): the reducers cannot tell the two apart, but
+        we know ours is honest, and an honest partner's update does not outweigh and oppose ours
+        round after round. A partner that does in n of its last 2n - 1 rounds with us is flagged
+        ("outlier"), so an attacker that keeps meeting islands alone is avoided (docs/SECURITY.md,
+        "Two contributors")."""
+        contributors = [m["island"] for m in members if m["weight"] > LISTENER_WEIGHT]
+        if (self.wire.merge_rule.aggregator == "mean" or self.wire.pair_ratio == 0 or len(contributors) != 2
+                or self.island not in contributors or len(set(contributors)) != 2):
+            return
+        (partner,) = [island for island in contributors if island != self.island]
+        against = sum(float((a.to(torch.float64) * b.to(torch.float64)).sum()) for a, b in zip(merged, sent)) < 0
+        figures["pair_against"] = against
+        seconds = self.quarantine.note_outlier(partner, against, self.clock.now())
+        if seconds:
+            logger.error("island %s steered our pair rounds against our own updates round after round: flagged, its "
+                         "rounds are avoided for %.0f s", partner, seconds)
 
     def _reject(self, members: list[dict], culprits: list[str], mine: Contribution, figures: dict) -> RoundOutcome:
         """A member sent NaN, Inf, unclipped values or lied in its metadata: the round's result is not

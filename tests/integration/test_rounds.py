@@ -139,6 +139,7 @@ def test_members_with_the_same_base_end_identical_at_the_nesterov_step_of_the_me
     events = run_round(a, b)
     assert [e["outcome"] for e in events] == ["ok", "ok"] and events[0]["members"] == ["a", "b"]
     assert a.store.hashes == b.store.hashes and a.store.versions == b.store.versions == [1]
+    assert events[0]["pair_against"] is events[1]["pair_against"] is False
     merged = outer.weighted_mean([outer.pseudo_gradient(theta, m.learner.params) for m in (a, b)], [1.0, 1.0])
     for got, want in zip(a.theta, nesterov_step(theta, merged)):  # equal tokens and steps: equal weights
         torch.testing.assert_close(got, want, rtol=0, atol=1e-5)
@@ -254,7 +255,7 @@ def test_a_pair_round_with_an_attacker_is_cut_down_to_twice_the_honest_update(gr
     and nobody is flagged for it."""
     theta = _params(0)
     attacker = AttackingFormat(CONFIG, NAMES, SHAPES, attacks=["flip", "inflate"])
-    local = [_moved(theta, 1, 0.01), _moved(theta, 3, 0.01), theta]
+    local = [_moved(theta, 1, 0.01), _moved(theta, 1, 0.012), theta]  # (honest updates alike: it reverses a's)
     a, x, listener = group(local, theta, names="axl", wires=[None, attacker])
     listener.learner.tokens = listener.learner.steps = 0
     events = run_round(a, x, listener)
@@ -262,6 +263,8 @@ def test_a_pair_round_with_an_attacker_is_cut_down_to_twice_the_honest_update(gr
     print("halved", events[0]["pair_halvings"], "times")
     assert events[0]["pair_halvings"] == events[2]["pair_halvings"] >= 4
     assert a.store.hashes == x.store.hashes == listener.store.hashes and "x" not in a.quarantine
+    # the honest member sees the merged update point against its own: one round of evidence (3 of 5 flag)
+    assert events[0]["pair_against"] is True and "pair_against" not in events[2]  # (a listener has none)
     honest = outer.pseudo_gradient(theta, local[0])
     flipped = [-torch.sign(d) for d in outer.pseudo_gradient(theta, local[1])]
     want = [m * 2.0 ** -events[0]["pair_halvings"] for m in outer.weighted_mean([honest, flipped], [1.0, 1.5])]
