@@ -189,16 +189,23 @@ class RoundFormat:
             return all(grid.within_grid(t, e, self.levels) for t, e in zip(merged, exponents))
         return True
 
-    def pair_halvings(self, merged: Sequence[torch.Tensor], members: Sequence[dict]) -> Optional[int]:
-        """How many times to halve the merged pseudo-gradient of a robust run's round of exactly 2
-        contributors (members that weigh more than a listener):
-        :func:`p2p_diloco.algo.robust.pair_halvings` with ``outer.pair_ratio`` (docs/SECURITY.md,
-        "Two contributors"). 0 for other rounds, with the plain ``mean`` aggregator or a ratio of 0;
-        None: apply nothing. Call it on members that passed :meth:`misreporting`."""
+    def bounded_pair(self, members: Sequence[dict]) -> Optional[list[dict]]:
+        """The 2 contributors (members that weigh more than a listener) of a round the pair bound
+        applies to (docs/SECURITY.md, "Two contributors"); None for other rounds, with the plain
+        ``mean`` aggregator or a pair ratio of 0."""
         if self.merge_rule.aggregator == "mean" or self.pair_ratio == 0:
+            return None
+        contributors = [m for m in members if m["weight"] > LISTENER_WEIGHT]
+        return contributors if len(contributors) == 2 else None
+
+    def pair_halvings(self, merged: Sequence[torch.Tensor], members: Sequence[dict]) -> Optional[int]:
+        """How many times to halve the merged pseudo-gradient of a :meth:`bounded_pair` round:
+        :func:`p2p_diloco.algo.robust.pair_halvings` with ``outer.pair_ratio``; 0 for other rounds;
+        None: apply nothing. Call it on members that passed :meth:`misreporting`."""
+        pair = self.bounded_pair(members)
+        if pair is None:
             return 0
-        norms = [float(m["delta_norm"]) for m in members if m["weight"] > LISTENER_WEIGHT]
-        return robust.pair_halvings(fragment_norm(merged), norms, self.pair_ratio) if len(norms) == 2 else 0
+        return robust.pair_halvings(fragment_norm(merged), [float(m["delta_norm"]) for m in pair], self.pair_ratio)
 
     def unaveraged(self, merged: Sequence[torch.Tensor], sent: Sequence[torch.Tensor], members: Sequence[dict],
                    weight: float, failed: int, failed_mask: torch.Tensor) -> Optional[list[torch.Tensor]]:

@@ -26,7 +26,7 @@ from p2p_diloco.config import OuterConfig
 from p2p_diloco.island.contribution import LISTENER_WEIGHT, Contribution, RoundFormat
 from p2p_diloco.island.quarantine import Quarantine
 from p2p_diloco.island.store import FragmentState
-from p2p_diloco.island.transfer import StateTransfer
+from p2p_diloco.island.transfer import StateTransfer, vouched_bases
 from p2p_diloco.net.channel import FragmentChannel
 
 logger = logging.getLogger(__name__)
@@ -250,9 +250,9 @@ class OuterRound:
         round after round. A partner that does in n of its last 2n - 1 rounds with us is flagged
         ("outlier"), so an attacker that keeps meeting islands alone is avoided (docs/SECURITY.md,
         "Two contributors")."""
-        contributors = [m["island"] for m in members if m["weight"] > LISTENER_WEIGHT]
-        if (self.wire.merge_rule.aggregator == "mean" or self.wire.pair_ratio == 0 or len(contributors) != 2
-                or self.island not in contributors or len(set(contributors)) != 2):
+        pair = self.wire.bounded_pair(members)
+        contributors = [m["island"] for m in pair] if pair is not None else []
+        if self.island not in contributors or len(set(contributors)) != 2:
             return
         (partner,) = [island for island in contributors if island != self.island]
         against = sum(float((a.to(torch.float64) * b.to(torch.float64)).sum()) for a, b in zip(merged, sent)) < 0
@@ -282,9 +282,7 @@ class OuterRound:
         (from peers if they hold a newer state that the records vouch for, as a joiner takes it, else
         our own Theta_p) and clear the inner optimizer's state."""
         logger.error("fragment %d: local parameters have NaN/Inf; not contributing, resetting them", p)
-        held = outer.vouched([(versions[p], hashes[p]) for _, versions, hashes in self.records()
-                              if len(versions) > p and len(hashes) > p and hashes[p]])
-        target = outer.canonical_base(held) if held else None
+        target = vouched_bases([(versions, hashes) for _, versions, hashes in self.records()], p + 1)[p]
         fresh = None
         if target is not None and target[0] >= state.version and target != (state.version, state.hash):
             fresh = self.transfer.download_until(p, min_version=target[0], want_hash=target[1], exact=True,
