@@ -11,7 +11,7 @@ from typing import Callable, Optional
 from p2p_diloco.algo import outer
 from p2p_diloco.island.quarantine import Quarantine
 from p2p_diloco.island.store import FragmentState, FragmentStore, HandOver
-from p2p_diloco.island.transfer import StateTransfer
+from p2p_diloco.island.transfer import StateTransfer, fragment_bases
 
 SwarmBases = Callable[[], list[tuple[str, list[int], list[str]]]]  # (island, fragment versions, fragment hashes)
 
@@ -43,8 +43,7 @@ class BaseRepair:
         forked alone). Ties are left to the next round, whose gathered metadata is the same for
         every member.
         """
-        others = [(versions[p], hashes[p]) for island, versions, hashes in self.swarm_bases()
-                  if island not in self.quarantine and len(versions) > p and len(hashes) > p and hashes[p]]
+        others = [base for island, base in fragment_bases(self.swarm_bases(), p) if island not in self.quarantine]
         newer = [base for base in outer.vouched(others) if base[0] > state.version]
         if newer:
             newest = max(version for version, _ in newer)

@@ -26,7 +26,7 @@ from p2p_diloco.config import OuterConfig
 from p2p_diloco.island.contribution import LISTENER_WEIGHT, Contribution, RoundFormat
 from p2p_diloco.island.quarantine import Quarantine
 from p2p_diloco.island.store import FragmentState
-from p2p_diloco.island.transfer import StateTransfer, vouched_bases
+from p2p_diloco.island.transfer import StateTransfer, fragment_bases, vouched_bases
 from p2p_diloco.net.channel import FragmentChannel
 
 logger = logging.getLogger(__name__)
@@ -191,9 +191,8 @@ class OuterRound:
         deadline = time.monotonic() + self.config.allreduce_timeout + self.config.grace_window
         needed = 2 if len(holders) >= 2 else 1
         while not self.stop.is_set() and time.monotonic() < deadline:
-            counts = collections.Counter(hashes[p] for island, versions, hashes in self.records()
-                                         if island in holders and len(versions) > p and len(hashes) > p
-                                         and versions[p] == version and hashes[p])
+            counts = collections.Counter(digest for island, (held, digest) in fragment_bases(self.records(), p)
+                                         if island in holders and held == version)
             if counts and counts.most_common(1)[0][1] >= needed:
                 want = counts.most_common(1)[0][0]
                 return self.transfer.download_until(p, min_version=version, want_hash=want, exact=True,

@@ -161,13 +161,19 @@ class StateTransfer:
         return True
 
 
+def fragment_bases(records, p: int) -> list[tuple[str, tuple[int, str]]]:
+    """(island, (version, hash)) of fragment p from records (island, fragment versions, fragment
+    hashes), leaving out those that do not report fragment p."""
+    return [(island, (versions[p], hashes[p])) for island, versions, hashes in records
+            if len(versions) > p and len(hashes) > p and hashes[p]]
+
+
 def vouched_bases(bases: list[tuple[list[int], list[str]]], num_fragments: int) -> list[Optional[tuple[int, str]]]:
     """Per fragment, the (version, hash) a joiner may take from the live islands' records (their
     fragment versions and hashes): the newest that 2 or more islands hold when 2 or more report,
     else the only island's; None where none qualifies (docs/SECURITY.md: no one donor decides)."""
     result = []
     for p in range(num_fragments):
-        held = outer.vouched([(versions[p], hashes[p]) for versions, hashes in bases
-                              if len(versions) > p and len(hashes) > p and hashes[p]])
+        held = outer.vouched([base for _, base in fragment_bases([("", *b) for b in bases], p)])
         result.append(outer.canonical_base(held) if held else None)
     return result
