@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from pathlib import Path
 from typing import Callable, Optional
 
@@ -35,22 +36,42 @@ def check_fingerprint(others: list[IslandProgress], fingerprint: str, run_id: st
 
 def join_from_peers(donors: list[IslandProgress], *, transfer: StateTransfer, store: FragmentStore, learner,
                     events: Callable[[dict], None], timeout: float, stop: threading.Event,
-                    read_donors: Optional[Callable[[], list[IslandProgress]]] = None) -> None:
+                    read_donors: Optional[Callable[[], list[IslandProgress]]] = None,
+                    distrusted: Callable[[str], bool] = lambda island: False, patience: float = 0.0) -> None:
     """Download the global parameters from the live ``donors`` and load them into ``learner``, or
     start from the seeded initial weights (the same on every island) when there are none or the
-    download fails (the first round's base check reloads them then). With ``read_donors`` (their
-    records, read afresh), only the state their records vouch for is taken
-    (:func:`p2p_diloco.island.transfer.vouched_bases`).
+    download fails (the first round's base check reloads them then).
+
+    With ``read_donors`` (their records, read afresh), only the state that the records of trusted
+    donors vouch for is taken (:func:`p2p_diloco.island.transfer.vouched_bases`). When they vouch
+    for none of a fragment's states for ``patience`` seconds (islands on forks that no round has
+    healed, or the only trusted donor died mid-download), the oldest state a trusted donor reports
+    (:func:`p2p_diloco.algo.outer.oldest_base`), or, when no trusted donor reports any, the one the
+    distrusted donors' records show: a joiner is never held off for good (docs/SECURITY.md, "Joiners
+    among forks").
 
     :param timeout: seconds for the whole download
+    :param distrusted: whether an island's record does not count at first (flagged islands)
+    :param patience: seconds to wait for the trusted records to agree, from the start of the download
     :raises Interrupted: ``stop`` was set while downloading
     """
+    num_fragments = store.num_fragments
+
+    def targets() -> list[Optional[tuple[int, str]]]:
+        records = [(r.island, r.fragment_versions, r.fragment_hashes) for r in read_donors()]
+        waited = time.monotonic() - started >= patience
+        chosen = vouched_bases([(v, h) for island, v, h in records if not distrusted(island)], num_fragments,
+                               unvouched=waited)
+        if waited and None in chosen:
+            anyone = vouched_bases([(v, h) for _, v, h in records], num_fragments, unvouched=True)
+            chosen = [mine if mine is not None else theirs for mine, theirs in zip(chosen, anyone)]
+        return chosen
+
     if donors:
         logger.info("joining: downloading global parameters from %d live island(s)", len(donors))
         events({"event": "join_start", "donors": sorted(r.island for r in donors)})
-        targets = None if read_donors is None else (lambda: vouched_bases(
-            [(r.fragment_versions, r.fragment_hashes) for r in read_donors()], store.num_fragments))
-        if transfer.load_all(timeout=timeout, stop=stop, targets=targets):
+        started = time.monotonic()
+        if transfer.load_all(timeout=timeout, stop=stop, targets=targets if read_donors else None):
             for p in range(store.num_fragments):
                 learner.load_global(p, store.global_params(p))
             logger.info("joined at fragment versions %s", store.versions)

@@ -250,7 +250,9 @@ class Island:
                 joining.join_from_peers(self._donors(others),
                                         transfer=self.transfer, store=self.store, learner=self.learner,
                                         events=self.events, timeout=config.join_timeout, stop=self.stop.event,
-                                        read_donors=lambda: self._donors(self.board.read()))
+                                        read_donors=lambda: self._donors(self.board.read()),
+                                        distrusted=self.quarantine.__contains__,
+                                        patience=min(2 * config.outer.period, config.join_timeout / 2))
             for channel in self.channels if not self.client_mode else ():  # nobody could reach a client
                 channel.share_state()
             self.syncer.start()

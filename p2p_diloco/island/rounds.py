@@ -281,7 +281,8 @@ class OuterRound:
         (from peers if they hold a newer state that the records vouch for, as a joiner takes it, else
         our own Theta_p) and clear the inner optimizer's state."""
         logger.error("fragment %d: local parameters have NaN/Inf; not contributing, resetting them", p)
-        target = vouched_bases([(versions, hashes) for _, versions, hashes in self.records()], p + 1)[p]
+        target = vouched_bases([(versions, hashes) for island, versions, hashes in self.records()
+                                if island not in self.quarantine], p + 1)[p]
         fresh = None
         if target is not None and target[0] >= state.version and target != (state.version, state.hash):
             fresh = self.transfer.download_until(p, min_version=target[0], want_hash=target[1], exact=True,

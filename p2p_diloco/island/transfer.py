@@ -168,12 +168,20 @@ def fragment_bases(records, p: int) -> list[tuple[str, tuple[int, str]]]:
             if len(versions) > p and len(hashes) > p and hashes[p]]
 
 
-def vouched_bases(bases: list[tuple[list[int], list[str]]], num_fragments: int) -> list[Optional[tuple[int, str]]]:
+def vouched_bases(bases: list[tuple[list[int], list[str]]], num_fragments: int, *,
+                  unvouched: bool = False) -> list[Optional[tuple[int, str]]]:
     """Per fragment, the (version, hash) a joiner may take from the live islands' records (their
     fragment versions and hashes): the newest that 2 or more islands hold when 2 or more report,
-    else the only island's; None where none qualifies (docs/SECURITY.md: no one donor decides)."""
+    else the only island's; None where none qualifies (docs/SECURITY.md: no one donor decides).
+
+    :param unvouched: where none qualifies but some island reports the fragment, take the oldest
+        reported base instead of None (:func:`p2p_diloco.algo.outer.oldest_base`): for a joiner that
+        has waited long enough for forks to heal
+    """
     result = []
     for p in range(num_fragments):
-        held = outer.vouched([base for _, base in fragment_bases([("", *b) for b in bases], p)])
-        result.append(outer.canonical_base(held) if held else None)
+        reported = [base for _, base in fragment_bases([("", *b) for b in bases], p)]
+        held = outer.vouched(reported)
+        result.append(outer.canonical_base(held) if held else
+                      outer.oldest_base(reported) if unvouched and reported else None)
     return result
