@@ -148,10 +148,11 @@ class OuterConfig(_Section):
         1.5, ge=1.0, description="no member weighs more in a round than this many times the lower median "
         "member's weight, whatever it claims (docs/SECURITY.md)",
     )
-    pair_ratio: float = Field(
-        2.0, ge=0.0, description="the merged update of a round of only 2 contributors is halved until it is at "
-        "most this many times as long as the shorter member's (no majority tells an attacker apart: "
-        "docs/SECURITY.md); 0: no pair bound (trusted islands of very different speeds)",
+    norm_ratio: float = Field(
+        2.0, ge=0.0, description="a round's merged update is halved until it is at most this many times as long "
+        "as its contributors' lower median update (of a pair, the shorter one): attackers that are half of a "
+        "group or fewer move it by at most that (docs/SECURITY.md); 0: no norm bound (trusted islands of very "
+        "different speeds)",
     )
     clip_radius: float = Field(
         2.0, gt=0.0, description="centered_clip's radius, in median distances of the members to their "
@@ -166,11 +167,11 @@ class OuterConfig(_Section):
         "many of its last 2n-1 rounds with us (probation as for garbage)",
     )
 
-    @field_validator("pair_ratio")
+    @field_validator("norm_ratio")
     @classmethod
-    def _pair_ratio(cls, value: float) -> float:
+    def _norm_ratio(cls, value: float) -> float:
         if 0.0 < value < 1.0:
-            raise ValueError("must be 0 (no pair bound) or at least 1 (below 1, honest pairs' updates are cut short)")
+            raise ValueError("must be 0 (no norm bound) or at least 1 (below 1, honest rounds' updates are cut short)")
         return value
 
     @property

@@ -19,7 +19,7 @@ from typing import Optional, Sequence
 import torch
 
 AGGREGATORS = ("mean", "centered_clip")
-PAIR_RATIO = 2.0  # a 2-contributor round's merged update is at most this x the shorter member's update
+NORM_RATIO = 2.0  # a round's merged update is at most this x its contributors' lower median update norm
 
 
 def cap_weights(weights: Sequence[float], ratio: float, floor: float = 0.0) -> list[float]:
@@ -50,39 +50,41 @@ def cap_weights(weights: Sequence[float], ratio: float, floor: float = 0.0) -> l
     return [min(float(w), cap) for w in weights]
 
 
-def pair_halvings(merged_norm: float, norms: Sequence[float], ratio: float = PAIR_RATIO) -> Optional[int]:
-    """How many times the merged update of a round with exactly 2 contributors is halved so that its
-    norm is at most ``ratio`` x the shorter of the two members' reported update norms
-    (docs/SECURITY.md, "Two contributors"); 0 when it already is.
+def norm_halvings(merged_norm: float, norms: Sequence[float], ratio: float = NORM_RATIO) -> Optional[int]:
+    """How many times the merged update of a round of 2 or more contributors is halved so that its
+    norm is at most ``ratio`` x the lower median of the contributors' reported update norms (of a
+    pair, the shorter one) (docs/SECURITY.md, "The norm bound"); 0 when it already is.
 
-    Of two members, nothing tells which one is honest, so neither may steer the result far: an
-    attacker's pair round moves the model by at most ``ratio`` x the honest member's update. A
-    member that under-reports its norm only shortens the result, and one that over-reports does not
-    lengthen it (the shorter norm counts). The capped weighted mean of two honest updates is never
-    longer than the longer one, so honest pairs within about 2x of each other are untouched and
-    pairs further apart (speeds 3-4x apart) are shortened, not refused. Halving (multiplying by a
-    power of two) is exact in floating point (correctly rounded for subnormal results), so every
-    member that holds the same result and metadata ends with the same bits.
+    Where attackers are no more than half of a group's contributors, no median tells them apart
+    (of a pair, nothing tells which one is honest), but the lower median of the norms is an honest
+    one: such a round moves the model by at most ``ratio`` x an honest update, whatever the
+    attackers agree on. A member that under-reports its norm only shortens the result, and
+    over-reporting cannot lift the lower median above an honest norm. A merge of honest updates is
+    no longer than the longest of them (shorter, as their directions differ), so honest rounds are
+    rarely touched; islands whose updates are far apart in length (3-4x more inner steps) get
+    theirs shortened, not refused. Halving (multiplying by a power of two) is exact in floating point
+    (correctly rounded for subnormal results), so every member that holds the same result and
+    metadata ends with the same bits.
 
     :param merged_norm: ||merged pseudo-gradient||_2 of the fragment
-    :param norms: the 2 contributors' reported ||Delta||_2 (finite, >= 0)
-    :param ratio: the bound over the shorter norm (> 0)
-    :returns: k >= 0 such that merged_norm * 2^-k <= ratio * min(norms) (the smallest such k), or
-        None when no reasonable k does (a result that is not finite, or a shorter norm of 0 or so
+    :param norms: the contributors' reported ||Delta||_2 (finite, >= 0), 2 or more
+    :param ratio: the bound over the lower median norm (> 0)
+    :returns: k >= 0 such that merged_norm * 2^-k <= ratio * median_low(norms) (the smallest such k),
+        or None when no reasonable k does (a result that is not finite, or a median norm of 0 or so
         small that k would exceed 1000): apply nothing
-    :raises ValueError: not exactly 2 norms, or ratio not positive
+    :raises ValueError: fewer than 2 norms, or ratio not positive
     """
-    if len(norms) != 2:
-        raise ValueError(f"a pair has 2 norms, got {len(norms)}")
+    if len(norms) < 2:
+        raise ValueError(f"the bound needs 2 or more contributors' norms, got {len(norms)}")
     if not ratio > 0:
         raise ValueError(f"ratio must be positive, got {ratio}")
-    bound = ratio * min(float(n) for n in norms)
+    bound = ratio * statistics.median_low([float(n) for n in norms])
     if not math.isfinite(merged_norm):
         return None
     if merged_norm <= bound:
         return 0
     excess = merged_norm / bound if bound > 0 else math.inf
-    if not excess < 2.0**1000:  # a shorter norm of 0 or next to it (nothing learned yet, or a lie)
+    if not excess < 2.0**1000:  # a median norm of 0 or next to it (nothing learned yet, or a lie)
         return None
     k = max(1, math.ceil(math.log2(excess)))
     while merged_norm * 2.0 ** -k > bound:  # (log2's rounding)

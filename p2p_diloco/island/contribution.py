@@ -76,7 +76,7 @@ class RoundFormat:
         self.norm_limits = [config.max_delta * math.sqrt(s.numel()) * (1 + 1e-6) + 1e-30 for s in self.shapes]
         self.fragment_norm_limit = config.max_delta * math.sqrt(sum(s.numel() for s in self.shapes)) * (1 + 1e-6)
         self.chunks = grid.num_chunks(self.shapes)
-        self.weight_cap, self.pair_ratio = config.weight_cap, config.pair_ratio
+        self.weight_cap, self.norm_ratio = config.weight_cap, config.norm_ratio
         # how every member's reducer merges its parts (the run's, like the rest of this format)
         self.merge_rule = MergeRule(aggregator=config.aggregator, weight_cap=config.weight_cap,
                                     radius_factor=config.clip_radius, outlier_ratio=config.outlier_ratio)
@@ -98,7 +98,7 @@ class RoundFormat:
     def write(self, contribution: Contribution, buffers: Sequence[torch.Tensor]) -> dict:
         """Put the contribution into the channel's buffers; returns what the gathered metadata
         reports of it: ``delta_max`` (the largest |value| sent), ``delta_norm`` (||Delta||_2 of the
-        whole fragment, for the pair bound), ``norms`` and, with a low-bit codec, ``exponents`` (the
+        whole fragment, for the norm bound), ``norms`` and, with a low-bit codec, ``exponents`` (the
         grid each chunk needs)."""
         self.encode(contribution.values, buffers)
         report = {"delta_max": wire.max_abs_sent(buffers, 0.0 if self.levels else self.offsets),
@@ -189,23 +189,24 @@ class RoundFormat:
             return all(grid.within_grid(t, e, self.levels) for t, e in zip(merged, exponents))
         return True
 
-    def bounded_pair(self, members: Sequence[dict]) -> Optional[list[dict]]:
-        """The 2 contributors (members that weigh more than a listener) of a round the pair bound
-        applies to (docs/SECURITY.md, "Two contributors"); None for other rounds, with the plain
-        ``mean`` aggregator or a pair ratio of 0."""
-        if self.merge_rule.aggregator == "mean" or self.pair_ratio == 0:
+    def bounded(self, members: Sequence[dict]) -> Optional[list[dict]]:
+        """The contributors (members that weigh more than a listener) of a round the norm bound
+        applies to: 2 or more (docs/SECURITY.md, "The norm bound"); None for other rounds, with the
+        plain ``mean`` aggregator or a norm ratio of 0."""
+        if self.merge_rule.aggregator == "mean" or self.norm_ratio == 0:
             return None
         contributors = [m for m in members if m["weight"] > LISTENER_WEIGHT]
-        return contributors if len(contributors) == 2 else None
+        return contributors if len(contributors) >= 2 else None
 
-    def pair_halvings(self, merged: Sequence[torch.Tensor], members: Sequence[dict]) -> Optional[int]:
-        """How many times to halve the merged pseudo-gradient of a :meth:`bounded_pair` round:
-        :func:`p2p_diloco.algo.robust.pair_halvings` with ``outer.pair_ratio``; 0 for other rounds;
+    def halvings(self, merged: Sequence[torch.Tensor], members: Sequence[dict]) -> Optional[int]:
+        """How many times to halve the merged pseudo-gradient of a :meth:`bounded` round:
+        :func:`p2p_diloco.algo.robust.norm_halvings` with ``outer.norm_ratio``; 0 for other rounds;
         None: apply nothing. Call it on members that passed :meth:`misreporting`."""
-        pair = self.bounded_pair(members)
-        if pair is None:
+        contributors = self.bounded(members)
+        if contributors is None:
             return 0
-        return robust.pair_halvings(fragment_norm(merged), [float(m["delta_norm"]) for m in pair], self.pair_ratio)
+        return robust.norm_halvings(fragment_norm(merged), [float(m["delta_norm"]) for m in contributors],
+                                    self.norm_ratio)
 
     def unaveraged(self, merged: Sequence[torch.Tensor], sent: Sequence[torch.Tensor], members: Sequence[dict],
                    weight: float, failed: int, failed_mask: torch.Tensor) -> Optional[list[torch.Tensor]]:

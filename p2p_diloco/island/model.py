@@ -14,7 +14,7 @@ import torch
 
 from p2p_diloco.config import ModelConfig, OuterConfig
 
-PROTOCOL_VERSION = 4  # bump when the wire format of rounds or state downloads changes
+PROTOCOL_VERSION = 5  # bump when the wire format of rounds or state downloads changes
 
 
 @dataclass(frozen=True)
@@ -131,7 +131,7 @@ def run_fingerprint(spec: ModelSpec, vocab_size: int, seed: int, tokenizer_sha: 
             "weight_cap": outer.weight_cap,
             "clip_radius": outer.clip_radius,
             "outlier_ratio": outer.outlier_ratio,
-            "pair_ratio": outer.pair_ratio,
+            "norm_ratio": outer.norm_ratio,
         },
     }
     blob = json.dumps(payload, sort_keys=True).encode()

@@ -143,17 +143,18 @@ class OuterRound:
         if not outer.all_finite(merged):
             return self._reject(members, [], mine, figures)
         self._weigh_pair(merged, sent, members, figures)
-        halvings = self.wire.pair_halvings(merged, members)
+        halvings = self.wire.halvings(merged, members)
         if halvings is None:
             return self._reject(members, [], mine, figures)
         if halvings:
-            # 2 contributors, a result longer than the bound: one of them may have steered it, and
-            # nothing tells which (docs/SECURITY.md, "Two contributors"); exact, the same bits everywhere
+            # a result longer than the bound: members that are half of the group or fewer may have
+            # steered it, and no median tells which (docs/SECURITY.md, "The norm bound"); exact, the
+            # same bits everywhere
             merged = [torch.ldexp(t, torch.tensor(-halvings, dtype=torch.int32)) for t in merged]
-            figures["pair_halvings"] = halvings
-            logger.info("fragment %d: the pair round with %s gave an update longer than %gx the shorter one's: "
+            figures["halvings"] = halvings
+            logger.info("fragment %d: the round with %s gave an update longer than %gx their median one: "
                         "halved %d time(s)", p, ", ".join(sorted(m["island"] for m in members if m["island"] != self.island)),
-                        self.config.pair_ratio, halvings)
+                        self.config.norm_ratio, halvings)
         if figures["unaveraged"] >= 1.0:
             return None
         base = self.wire.carry_base(snapshot.params, mine, sent)
@@ -248,9 +249,9 @@ class OuterRound:
         we know ours is honest, and an honest partner's update does not outweigh and oppose ours
         round after round. A partner that does in n of its last 2n - 1 rounds with us is flagged
         ("outlier"), so an attacker that keeps meeting islands alone is avoided (docs/SECURITY.md,
-        "Two contributors")."""
-        pair = self.wire.bounded_pair(members)
-        contributors = [m["island"] for m in pair] if pair is not None else []
+        "The norm bound")."""
+        bounded = self.wire.bounded(members)
+        contributors = [m["island"] for m in bounded] if bounded is not None else []
         if self.island not in contributors or len(set(contributors)) != 2:
             return
         (partner,) = [island for island in contributors if island != self.island]

@@ -20,7 +20,7 @@ Figures per arm: the honest islands' final eval loss (mean) and its ratio to the
 round time (median seconds from a round's slot to its end, ok rounds of honest islands), and when
 each attacker was flagged (seconds after its first round, and how many rounds with it went before).
 
-    .venv/bin/python scripts/experiments/e8_attacks.py [--islands 4] [--attackers 1] [--steps 150]
+    .venv/bin/python scripts/experiments/e8_attacks.py [--islands 4] [--attackers 1] [--steps 150] [--quorum K]
 """
 
 from __future__ import annotations
@@ -42,13 +42,14 @@ from p2p_diloco.lab.experiment import Arm, run_arm, run_script, table  # noqa: E
 ATTACK_ARMS = ["flip+inflate", "inflate", "flip", "noise", "bias", "replay", "lying_reducer", "mean:flip+inflate"]
 
 
-def build(islands: int, attackers: int, steps: int) -> list[Arm]:
+def build(islands: int, attackers: int, steps: int, quorum: int = 0) -> list[Arm]:
     period = 12.0 * islands / 4  # 8 islands share the 2 cores: a longer period for a similar H
-    arms = [Arm("mean", islands, steps, ["--outer-aggregator", "mean"], period=period),
-            Arm("clip", islands, steps, [], period=period)]
+    common = ["--outer-quorum", str(quorum)] if quorum else []
+    arms = [Arm("mean", islands, steps, ["--outer-aggregator", "mean", *common], period=period),
+            Arm("clip", islands, steps, common, period=period)]
     for name in ATTACK_ARMS:
         aggregator, _, attack = name.rpartition(":")
-        arms.append(Arm(name, islands, steps, ["--outer-aggregator", aggregator] if aggregator else [],
+        arms.append(Arm(name, islands, steps, (["--outer-aggregator", aggregator] if aggregator else []) + common,
                         per_island={i: ["--debug-attack", attack] for i in range(islands - attackers, islands)},
                         period=period))
     return arms
@@ -81,13 +82,13 @@ def attack_figures(arm: Arm, folder: Path, attackers: int) -> dict:
             "round_seconds": round(statistics.median(seconds), 2) if seconds else None,
             "honest_rounds_ok": sum(e["outcome"] == "ok" for e in rounds),
             "honest_rounds_rejected": sum(e["outcome"] == "rejected" for e in rounds),
-            "honest_pair_rounds_halved": sum(bool(e.get("pair_halvings")) for e in rounds),
+            "honest_rounds_halved": sum(bool(e.get("halvings")) for e in rounds),
             "flagged": flagged}
 
 
 COLUMNS = [("arm", "arm"), ("honest_eval_loss", "honest eval loss"), ("vs_clean", "vs clean"),
            ("round_seconds", "round s (median)"), ("honest_rounds_ok", "honest rounds ok"),
-           ("honest_pair_rounds_halved", "pair rounds halved"),
+           ("honest_rounds_halved", "rounds halved"),
            ("flag", "attacker flagged (s after its first round / rounds before / by)"), ("seconds", "wall s")]
 
 
@@ -96,12 +97,14 @@ def main(argv=None) -> int:
     parser.add_argument("--islands", type=int, default=4)
     parser.add_argument("--attackers", type=int, default=1)
     parser.add_argument("--steps", type=int, default=150, help="inner steps per island (default 150)")
+    parser.add_argument("--quorum", type=int, default=0,
+                        help="--outer-quorum of every island in every arm (default: the product's)")
     parser.add_argument("--arms", nargs="+", default=None, metavar="ARM", help="run only these arms (by name)")
     parser.add_argument("--out", default="", help="output folder (default runs/experiments/e8-<time>)")
     args = parser.parse_args(argv)
     if not 1 <= args.attackers < args.islands / 2:
         parser.error("--attackers must be at least 1 and fewer than half the islands")
-    arms = select_arms(parser, build(args.islands, args.attackers, args.steps), args.arms)
+    arms = select_arms(parser, build(args.islands, args.attackers, args.steps, args.quorum), args.arms)
     out = Path(args.out or f"runs/experiments/e8-{time.strftime('%Y%m%d-%H%M%S')}")
 
     def body():

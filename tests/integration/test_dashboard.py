@@ -233,7 +233,7 @@ def test_an_attacker_is_flagged_and_shown_then_killed_departs_and_a_stopped_isla
     assert attacked and all(e["outcome"] == "ok" for e in attacked), attacked
     print("eval loss before the attacker, after it was flagged:",
           {n: (before[n]["eval_loss"], after[n]["eval_loss"]) for n in ISLANDS}, f"{len(attacked)} rounds with it",
-          f"({sum(bool(e.get('pair_halvings')) for e in attacked)} of them pair rounds cut short)")
+          f"({sum(bool(e.get('halvings')) for e in attacked)} of them cut short)")
     assert all(after[n]["eval_loss"] < before[n]["eval_loss"] for n in ISLANDS)
     swarm.islands["victim"].signal(signal.SIGKILL)
     killed = time.monotonic()

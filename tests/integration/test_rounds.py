@@ -260,14 +260,14 @@ def test_a_pair_round_with_an_attacker_is_cut_down_to_twice_the_honest_update(gr
     listener.learner.tokens = listener.learner.steps = 0
     events = run_round(a, x, listener)
     assert [e["outcome"] for e in events] == ["ok"] * 3 and events[0]["members"] == ["a", "l", "x"]
-    print("halved", events[0]["pair_halvings"], "times")
-    assert events[0]["pair_halvings"] == events[2]["pair_halvings"] >= 4
+    print("halved", events[0]["halvings"], "times")
+    assert events[0]["halvings"] == events[2]["halvings"] >= 4
     assert a.store.hashes == x.store.hashes == listener.store.hashes and "x" not in a.quarantine
     # the honest member sees the merged update point against its own: one round of evidence (3 of 5 flag)
     assert events[0]["pair_against"] is True and "pair_against" not in events[2]  # (a listener has none)
     honest = outer.pseudo_gradient(theta, local[0])
     flipped = [-torch.sign(d) for d in outer.pseudo_gradient(theta, local[1])]
-    want = [m * 2.0 ** -events[0]["pair_halvings"] for m in outer.weighted_mean([honest, flipped], [1.0, 1.5])]
+    want = [m * 2.0 ** -events[0]["halvings"] for m in outer.weighted_mean([honest, flipped], [1.0, 1.5])]
     for got, expected in zip(a.theta, nesterov_step(theta, want)):
         torch.testing.assert_close(got, expected, rtol=0, atol=1e-6)
     norm = math.sqrt(sum(float(t.norm()) ** 2 for t in want))

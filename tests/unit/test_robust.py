@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from p2p_diloco.algo import wire
-from p2p_diloco.algo.robust import cap_weights, centered_clip, pair_halvings
+from p2p_diloco.algo.robust import cap_weights, centered_clip, norm_halvings
 
 
 def reference_centered_clip(x: np.ndarray, w: np.ndarray, factor: float, iterations: int) -> np.ndarray:
@@ -54,20 +54,35 @@ def test_a_pair_round_is_halved_down_to_twice_the_shorter_update():
     norms = [float(a.norm()), float(b.norm())]
     for weights in ([1.0, 1.0], [1.0, 1.5]):  # equal, and b's capped claim: untouched
         merged = (weights[0] * a + weights[1] * b) / sum(weights)
-        assert pair_halvings(float(merged.norm()), norms) == 0
+        assert norm_halvings(float(merged.norm()), norms) == 0
     # an attacker reversed at the bound (every element at +-1 against an update of RMS ~0.02), capped at 1.5x
     small = 0.02 * a / a.std()
     flipped = -torch.sign(small)
     merged = (small + 1.5 * flipped) / 2.5
-    k = pair_halvings(float(merged.norm()), [float(small.norm()), float(flipped.norm())])
+    k = norm_halvings(float(merged.norm()), [float(small.norm()), float(flipped.norm())])
     assert 2 * float(small.norm()) / 2 < float(merged.norm()) * 2.0 ** -k <= 2 * float(small.norm())  # within (B/2, B]
     # lying about its norm does not help it: the shorter one counts
-    assert pair_halvings(float(merged.norm()), [float(small.norm()), 1e9]) == k
-    assert pair_halvings(2.0, [1.0, 5.0]) == 0 and pair_halvings(2.01, [1.0, 5.0]) == 1 and pair_halvings(8.5, [1.0, 5.0]) == 3
-    assert pair_halvings(float("nan"), [1.0, 1.0]) is None and pair_halvings(1.0, [0.0, 1.0]) is None
-    assert pair_halvings(1e-3, [1e-320, 1.0]) is None  # (a subnormal claim: no overflow, nothing applied)
-    with pytest.raises(ValueError, match="2 norms"):
-        pair_halvings(1.0, [1.0])
+    assert norm_halvings(float(merged.norm()), [float(small.norm()), 1e9]) == k
+    assert norm_halvings(2.0, [1.0, 5.0]) == 0 and norm_halvings(2.01, [1.0, 5.0]) == 1 and norm_halvings(8.5, [1.0, 5.0]) == 3
+    assert norm_halvings(float("nan"), [1.0, 1.0]) is None and norm_halvings(1.0, [0.0, 1.0]) is None
+    assert norm_halvings(1e-3, [1e-320, 1.0]) is None  # (a subnormal claim: no overflow, nothing applied)
+    with pytest.raises(ValueError, match="2 or more"):
+        norm_halvings(1.0, [1.0])
+
+
+def test_two_colluding_attackers_of_four_are_cut_down_to_twice_an_honest_update():
+    rng = np.random.default_rng(2)
+    shared = torch.from_numpy(rng.normal(size=4000))
+    honest = [0.02 * (0.6 * shared + 0.4 * torch.from_numpy(rng.normal(size=4000))) for _ in range(2)]
+    flipped = -torch.sign(honest[0])  # both attackers send the same update, reversed at the bound
+    points = torch.stack([*honest, flipped, flipped]).float()
+    merged = centered_clip(points, torch.ones(4)).center  # half of the rows: no median tells them apart
+    norms = [float(h.norm()) for h in honest] + [float(flipped.norm())] * 2
+    k = norm_halvings(float(merged.norm()), norms)
+    assert k >= 3 and float(merged.norm()) * 2.0 ** -k <= 2 * max(norms[:2])  # at most 2x the longer honest one
+    # honest groups are left alone: a merge is no longer than its longest update
+    three = torch.stack([honest[0], honest[1], 0.02 * shared]).float()
+    assert norm_halvings(float(three.mean(0).norm()), [float(r.norm()) for r in three]) == 0
 
 
 def test_centered_clip_matches_the_reference():

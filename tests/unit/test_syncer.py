@@ -236,18 +236,22 @@ def test_members_whose_metadata_no_honest_member_sends_are_named(codec, merge, l
     assert fmt.misreporting([honest, liar], "b") == []  # nobody names itself
 
 
-def test_a_pair_round_is_bounded_by_the_shorter_update_unless_the_run_says_otherwise():
+def test_a_round_is_bounded_by_its_contributors_lower_median_update_unless_the_run_says_otherwise():
     merged = [torch.full(s, 0.1) for s in SHAPES]  # ||merged|| = 0.1 sqrt(numel)
     length = 0.1 * math.sqrt(sum(s.numel() for s in SHAPES))
     pair = [_member("a", delta_norm=length / 1.5, delta_max=0.1), _member("b", delta_norm=100.0)]
     listener = _member("l", weight=0.0, tokens=0, steps=0, delta_norm=0.0)
     bounded = RoundFormat(CONFIG, ("w", "b"), SHAPES)
-    assert bounded.pair_halvings(merged, pair) == bounded.pair_halvings(merged, pair + [listener]) == 0
+    assert bounded.halvings(merged, pair) == bounded.halvings(merged, pair + [listener]) == 0
     pair[0]["delta_norm"] = length / 2.5  # the shorter one counts, whatever the other claims
-    assert bounded.pair_halvings(merged, pair) == bounded.pair_halvings(merged, pair + [listener]) == 1
-    assert bounded.pair_halvings(merged, pair + [_member("c")]) == 0  # 3 contributors: CenteredClip's business
-    for update in ({"pair_ratio": 0.0}, {"aggregator": "mean"}):
-        assert RoundFormat(CONFIG.model_copy(update=update), ("w", "b"), SHAPES).pair_halvings(merged, pair) == 0
+    assert bounded.halvings(merged, pair) == bounded.halvings(merged, pair + [listener]) == 1
+    # 2 colluding claims of 4 cannot lift the lower median above the honest ones
+    four = pair + [_member("c", delta_norm=length / 3), _member("d", delta_norm=1e6)]
+    assert bounded.halvings(merged, four) == 1  # median_low(L/3, L/2.5, 100, 1e6) = L/2.5
+    assert bounded.halvings(merged, pair[1:] + [_member("c", delta_norm=length)]) == 0  # median L: within 2x
+    assert bounded.halvings(merged, [pair[0]]) == 0  # 1 contributor: a fallback's business
+    for update in ({"norm_ratio": 0.0}, {"aggregator": "mean"}):
+        assert RoundFormat(CONFIG.model_copy(update=update), ("w", "b"), SHAPES).halvings(merged, pair) == 0
 
 
 def test_malformed_members_are_not_members():
