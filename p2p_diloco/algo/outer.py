@@ -12,7 +12,6 @@ kernels fuse into one FMA on some processors and not on others.
 
 from __future__ import annotations
 
-import collections
 import hashlib
 import math
 from typing import Iterable, Sequence
@@ -284,21 +283,6 @@ def vouched(bases: Sequence[tuple[int, str]]) -> list[tuple[int, str]]:
         counts[base] = counts.get(base, 0) + 1
     needed = 2 if len(bases) >= 2 else 1
     return [base for base in bases if counts[base] >= needed]
-
-
-def oldest_base(bases: Sequence[tuple[int, str]]) -> tuple[int, str]:
-    """The base a joiner takes when the live islands' records vouch for none (they are on forks, as
-    islands that could not meet each stepped their own): the oldest reported version (among its
-    forks, the one most reporters hold, then the smaller hash). A reporter cannot lift a joiner above
-    the others by claiming a newer version, and an older base is caught up by the joiner's first
-    round or the base repair (docs/SECURITY.md, "Joiners").
-
-    :raises ValueError: if ``bases`` is empty
-    """
-    if not bases:
-        raise ValueError("no bases to choose from")
-    counts = collections.Counter(bases)
-    return max(counts, key=lambda base: (-base[0], counts[base], _reverse(base[1])))
 
 
 def _reverse(text: str) -> tuple[int, ...]:

@@ -56,9 +56,9 @@ def norm_halvings(merged_norm: float, norms: Sequence[float], ratio: float = NOR
     pair, the shorter one) (docs/SECURITY.md, "The norm bound"); 0 when it already is.
 
     Where attackers are no more than half of a group's contributors, no median tells them apart
-    (of a pair, nothing tells which one is honest), but the lower median of the norms is an honest
-    one: such a round moves the model by at most ``ratio`` x an honest update, whatever the
-    attackers agree on. A member that under-reports its norm only shortens the result, and
+    (of a pair, nothing tells which one is honest), but the lower median of the norms is no longer
+    than an honest one: such a round moves the model by at most ``ratio`` x an honest update,
+    whatever the attackers agree on. A member that under-reports its norm only shortens the result, and
     over-reporting cannot lift the lower median above an honest norm. A merge of honest updates is
     no longer than the longest of them (shorter, as their directions differ), so honest rounds are
     rarely touched; islands whose updates are far apart in length (3-4x more inner steps) get

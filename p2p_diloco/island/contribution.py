@@ -160,7 +160,7 @@ class RoundFormat:
 
     def _plausible_norm(self, member: dict) -> bool:
         """The member's ``delta_norm`` is one a clipped update can have and no shorter than what it
-        reports elsewhere (under-reporting would shorten pair rounds): its largest sent value (a norm
+        reports elsewhere (under-reporting would shorten bounded rounds): its largest sent value (a norm
         is never below an element; fp32's wire rounding aside) or, with RDA tensors (whose wire
         values are unit directions), the norm of its per-tensor RDA norms."""
         norm = member.get("delta_norm")
@@ -197,6 +197,14 @@ class RoundFormat:
             return None
         contributors = [m for m in members if m["weight"] > LISTENER_WEIGHT]
         return contributors if len(contributors) >= 2 else None
+
+    def pair_partner(self, members: Sequence[dict], island: str) -> Optional[str]:
+        """The other contributor of a :meth:`bounded` round of exactly 2 contributors, one of them
+        ``island``; None for any other round (more contributors, a name twice, ``island`` not in it)."""
+        contributors = [m["island"] for m in self.bounded(members) or []]
+        if len(contributors) != 2 or island not in contributors or len(set(contributors)) != 2:
+            return None
+        return contributors[1] if contributors[0] == island else contributors[0]
 
     def halvings(self, merged: Sequence[torch.Tensor], members: Sequence[dict]) -> Optional[int]:
         """How many times to halve the merged pseudo-gradient of a :meth:`bounded` round:

@@ -6,6 +6,7 @@ versions from live islands (or starts from the seeded weights), or resumes from 
 from __future__ import annotations
 
 import logging
+import math
 import threading
 import time
 from pathlib import Path
@@ -14,7 +15,7 @@ from typing import Callable, Optional
 from p2p_diloco.errors import ConfigError, FingerprintMismatch, Interrupted
 from p2p_diloco.island import checkpoint as ckpt
 from p2p_diloco.island.store import FragmentStore
-from p2p_diloco.island.transfer import StateTransfer, vouched_bases
+from p2p_diloco.island.transfer import StateTransfer, reported_bases, vouched_bases
 from p2p_diloco.net.records import IslandProgress
 
 logger = logging.getLogger(__name__)
@@ -37,7 +38,7 @@ def check_fingerprint(others: list[IslandProgress], fingerprint: str, run_id: st
 def join_from_peers(donors: list[IslandProgress], *, transfer: StateTransfer, store: FragmentStore, learner,
                     events: Callable[[dict], None], timeout: float, stop: threading.Event,
                     read_donors: Optional[Callable[[], list[IslandProgress]]] = None,
-                    distrusted: Callable[[str], bool] = lambda island: False, patience: float = 0.0) -> None:
+                    distrusted: Callable[[str], bool] = lambda island: False, patience: float = math.inf) -> None:
     """Download the global parameters from the live ``donors`` and load them into ``learner``, or
     start from the seeded initial weights (the same on every island) when there are none or the
     download fails (the first round's base check reloads them then).
@@ -45,9 +46,9 @@ def join_from_peers(donors: list[IslandProgress], *, transfer: StateTransfer, st
     With ``read_donors`` (their records, read afresh), only the state that the records of trusted
     donors vouch for is taken (:func:`p2p_diloco.island.transfer.vouched_bases`). When they vouch
     for none of a fragment's states for ``patience`` seconds (islands on forks that no round has
-    healed, or the only trusted donor died mid-download), the oldest state a trusted donor reports
-    (:func:`p2p_diloco.algo.outer.oldest_base`), or, when no trusted donor reports any, the one the
-    distrusted donors' records show: a joiner is never held off for good (docs/SECURITY.md, "Joiners
+    healed, or the only trusted donor died mid-download), any state that a trusted donor's record
+    shows, or, when no trusted donor reports the fragment, any that a record shows: whichever the
+    first donor to answer serves. A joiner is never held off for good (docs/SECURITY.md, "Joiners
     among forks").
 
     :param timeout: seconds for the whole download
@@ -57,14 +58,14 @@ def join_from_peers(donors: list[IslandProgress], *, transfer: StateTransfer, st
     """
     num_fragments = store.num_fragments
 
-    def targets() -> list[Optional[tuple[int, str]]]:
+    def targets() -> list[Optional[frozenset]]:
         records = [(r.island, r.fragment_versions, r.fragment_hashes) for r in read_donors()]
-        waited = time.monotonic() - started >= patience
-        chosen = vouched_bases([(v, h) for island, v, h in records if not distrusted(island)], num_fragments,
-                               unvouched=waited)
-        if waited and None in chosen:
-            anyone = vouched_bases([(v, h) for _, v, h in records], num_fragments, unvouched=True)
-            chosen = [mine if mine is not None else theirs for mine, theirs in zip(chosen, anyone)]
+        trusted = [(v, h) for island, v, h in records if not distrusted(island)]
+        chosen = [frozenset([base]) if base else None for base in vouched_bases(trusted, num_fragments)]
+        if time.monotonic() - started >= patience:
+            shown, anyone = reported_bases(trusted, num_fragments), reported_bases([(v, h) for _, v, h in records],
+                                                                                   num_fragments)
+            chosen = [mine or theirs or everyone or None for mine, theirs, everyone in zip(chosen, shown, anyone)]
         return chosen
 
     if donors:

@@ -250,11 +250,9 @@ class OuterRound:
         round after round. A partner that does in n of its last 2n - 1 rounds with us is flagged
         ("outlier"), so an attacker that keeps meeting islands alone is avoided (docs/SECURITY.md,
         "The norm bound")."""
-        bounded = self.wire.bounded(members)
-        contributors = [m["island"] for m in bounded] if bounded is not None else []
-        if self.island not in contributors or len(set(contributors)) != 2:
+        partner = self.wire.pair_partner(members, self.island)
+        if partner is None:
             return
-        (partner,) = [island for island in contributors if island != self.island]
         against = sum(float((a.to(torch.float64) * b.to(torch.float64)).sum()) for a, b in zip(merged, sent)) < 0
         figures["pair_against"] = against
         seconds = self.quarantine.note_outlier(partner, against, self.clock.now())

@@ -10,7 +10,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from typing import Callable, Optional, Sequence
+from typing import Callable, Collection, Optional, Sequence
 
 import torch
 
@@ -74,10 +74,11 @@ class StateTransfer:
     # ---------------------------------------------------------------- downloading
 
     def download(self, p: int, *, min_version: int, want_hash: str = "", timeout: float,
-                 exact: bool = False) -> Optional[FragmentState]:
+                 exact: bool = False, among: Optional[Collection[tuple[int, str]]] = None) -> Optional[FragmentState]:
         """Fragment p's state from the best donor if it is valid, at least ``min_version`` and, when
         ``want_hash`` is given and the version is exactly ``min_version``, that exact Theta_p; with
-        ``exact``, only version ``min_version`` with hash ``want_hash`` (nothing newer)."""
+        ``exact``, only version ``min_version`` with hash ``want_hash`` (nothing newer); with
+        ``among``, only one of those (version, hash)."""
         result = self.channels[p].load_state(timeout=timeout)
         if result is None:
             return None
@@ -105,7 +106,8 @@ class StateTransfer:
             logger.warning("ignored a state download with NaN/Inf for fragment %d", p)
             return None
         digest = outer.tensors_hash(theta)  # computed here: the donor's word is not enough
-        if want_hash and version == min_version and digest != want_hash:
+        if (want_hash and version == min_version and digest != want_hash) or (
+                among is not None and (version, digest) not in among):
             logger.debug("donor of fragment %d holds another fork of version %d", p, version)
             return None
         self.stats.add(reloads=1)
@@ -128,31 +130,32 @@ class StateTransfer:
         return None
 
     def load_all(self, *, timeout: float, stop: threading.Event,
-                 targets: Optional[Callable[[], list[tuple[int, str]]]] = None) -> bool:
+                 targets: Optional[Callable[[], list[Optional[Collection[tuple[int, str]]]]]] = None) -> bool:
         """Download Theta_p, m_p and v_p of every fragment from live peers and publish them (a
         joining island).
 
         :param timeout: seconds for all fragments together
-        :param targets: returns, per fragment, the (version, hash) that the live islands' records
-            vouch for (:func:`vouched_bases`), read afresh before each attempt; only that exact state is
-            taken, so one donor cannot hand a joiner a state of its own making (docs/SECURITY.md). None:
-            any valid state
+        :param targets: returns, per fragment, the (version, hash) states a joiner may take (see
+            :func:`p2p_diloco.island.joining.join_from_peers`), read afresh before each attempt; only
+            one of those is taken, so one donor cannot hand a joiner a state of its own making
+            (docs/SECURITY.md). None or empty for a fragment: none yet, ask again shortly. targets
+            None: any valid state
         :returns: True when every fragment was loaded; False leaves unloaded fragments as they were
         """
         deadline = time.monotonic() + timeout
         for p in range(self.store.num_fragments):
             state = None
             while state is None and not stop.is_set() and time.monotonic() < deadline:
-                vouched = targets()[p] if targets is not None else None
-                if targets is not None and vouched is None:  # nobody vouches yet: ask again shortly
+                wanted = targets()[p] if targets is not None else None
+                if targets is not None and not wanted:  # nobody vouches yet: ask again shortly
                     stop.wait(0.5)
                     continue
                 remaining = deadline - time.monotonic()
-                state = (self.download(p, min_version=vouched[0], want_hash=vouched[1], exact=True,
+                state = (self.download(p, min_version=min(version for version, _ in wanted), among=wanted,
                                        timeout=min(10.0, max(1.0, remaining)))
-                         if vouched is not None else
+                         if wanted else
                          self.download_until(p, min_version=0, deadline=deadline, stop=stop))
-                if state is None and vouched is not None:
+                if state is None and wanted:
                     stop.wait(min(0.5, max(0.0, deadline - time.monotonic())))
             if state is None:
                 return False
@@ -168,20 +171,17 @@ def fragment_bases(records, p: int) -> list[tuple[str, tuple[int, str]]]:
             if len(versions) > p and len(hashes) > p and hashes[p]]
 
 
-def vouched_bases(bases: list[tuple[list[int], list[str]]], num_fragments: int, *,
-                  unvouched: bool = False) -> list[Optional[tuple[int, str]]]:
+def vouched_bases(bases: list[tuple[list[int], list[str]]], num_fragments: int) -> list[Optional[tuple[int, str]]]:
     """Per fragment, the (version, hash) a joiner may take from the live islands' records (their
     fragment versions and hashes): the newest that 2 or more islands hold when 2 or more report,
-    else the only island's; None where none qualifies (docs/SECURITY.md: no one donor decides).
-
-    :param unvouched: where none qualifies but some island reports the fragment, take the oldest
-        reported base instead of None (:func:`p2p_diloco.algo.outer.oldest_base`): for a joiner that
-        has waited long enough for forks to heal
-    """
+    else the only island's; None where none qualifies (docs/SECURITY.md: no one donor decides)."""
     result = []
     for p in range(num_fragments):
-        reported = [base for _, base in fragment_bases([("", *b) for b in bases], p)]
-        held = outer.vouched(reported)
-        result.append(outer.canonical_base(held) if held else
-                      outer.oldest_base(reported) if unvouched and reported else None)
+        held = outer.vouched([base for _, base in fragment_bases([("", *b) for b in bases], p)])
+        result.append(outer.canonical_base(held) if held else None)
     return result
+
+
+def reported_bases(bases: list[tuple[list[int], list[str]]], num_fragments: int) -> list[frozenset]:
+    """Per fragment, every (version, hash) that some record (fragment versions and hashes) reports."""
+    return [frozenset(base for _, base in fragment_bases([("", *b) for b in bases], p)) for p in range(num_fragments)]

@@ -1,36 +1,73 @@
-"""Which state a joiner takes from the live islands' records (pure logic: a fake transfer records
-what the joiner asks for)."""
+"""Which state a joiner takes from the live islands' records, through the real StateTransfer and
+a fake channel that, as hivemind's ``load_state_from_peers``, serves the donor of the highest
+declared priority first (pure logic: no network)."""
 
 import threading
 from types import SimpleNamespace
 
+import torch
+
+from p2p_diloco.algo import outer
 from p2p_diloco.island import joining
+from p2p_diloco.island.store import FragmentStore
+from p2p_diloco.island.transfer import StateTransfer
+
+SHAPES = [[torch.Size([3])]]  # one fragment of one tensor
+FINGERPRINT = "f"
 
 
-def _record(island, versions, hashes):
-    return SimpleNamespace(island=island, fragment_versions=versions, fragment_hashes=hashes)
+class Donor:
+    """A live island: its record (versions, hashes) and the state it serves at its priority."""
+
+    def __init__(self, island, version, seed, priority):
+        self.theta = [torch.full((3,), float(seed))]
+        self.island, self.version, self.priority = island, version, priority
+        self.hash = outer.tensors_hash(self.theta)
+        self.record = SimpleNamespace(island=island, fragment_versions=[version], fragment_hashes=[self.hash])
 
 
-def _asked(records, *, patience, distrusted=()):
-    """What the joiner's download asks for, per fragment, on its first attempt."""
-    asked = []
-    transfer = SimpleNamespace(load_all=lambda timeout, stop, targets: asked.append(targets()) or False)
-    store = SimpleNamespace(num_fragments=2, initialize=lambda params: None)
-    joining.join_from_peers(records, transfer=transfer, store=store, learner=SimpleNamespace(fragment_params=[]),
-                            events=lambda e: None, timeout=1.0, stop=threading.Event(),
-                            read_donors=lambda: records, distrusted=lambda island: island in distrusted,
-                            patience=patience)
-    return asked[0]
+class Channel:
+    """hivemind asks the donor that declared the highest priority; this one always answers."""
+
+    def __init__(self, donors):
+        self.donors = donors
+
+    def load_state(self, timeout):
+        best = max(self.donors, key=lambda d: d.priority)
+        metadata = dict(fingerprint=FINGERPRINT, fragment=0, version=best.version, hash=best.hash)
+        return metadata, [*best.theta, torch.zeros(3)]
 
 
-def test_a_joiner_takes_what_trusted_records_vouch_for_then_the_oldest_fork_then_a_flagged_islands():
-    forks = [_record("a", [7, 3], ["x", "q"]), _record("b", [9, 3], ["y", "q"])]
-    assert _asked(forks, patience=60) == [None, (3, "q")]  # fragment 0 on forks: wait for a round to heal them
-    assert _asked(forks, patience=0) == [(7, "x"), (3, "q")]  # waited long enough: the oldest fork
-    # a flagged island's record does not count while a trusted one reports...
-    faulty = [_record("bad", [50, 3], ["z", "q"]), _record("b", [9, 3], ["y", "q"])]
-    assert _asked(faulty, patience=60, distrusted={"bad"}) == [(9, "y"), (3, "q")]
-    # ...but when it is the only live donor, the joiner takes its state rather than none
-    alone = [_record("bad", [50, 3], ["z", "q"])]
-    assert _asked(alone, patience=60, distrusted={"bad"}) == [None, None]
-    assert _asked(alone, patience=0, distrusted={"bad"}) == [(50, "z"), (3, "q")]
+def _join(donors, *, patience, distrusted=(), timeout=0.6):
+    """The (version, hash) the joiner ends with (version 0: the seeded weights)."""
+    store = FragmentStore(SHAPES)
+    stats = SimpleNamespace(add=lambda **kw: None)
+    transfer = StateTransfer(store, stats, fingerprint=FINGERPRINT, events=lambda e: None, allreduce_timeout=5.0,
+                             stop=threading.Event())
+    transfer.attach([Channel(donors)])
+    learner = SimpleNamespace(fragment_params=[[torch.zeros(3)]], load_global=lambda p, params: None)
+    joining.join_from_peers([d.record for d in donors], transfer=transfer, store=store, learner=learner,
+                            events=lambda e: None, timeout=timeout, stop=threading.Event(),
+                            read_donors=lambda: [d.record for d in donors],
+                            distrusted=lambda island: island in distrusted, patience=patience)
+    return store.versions[0], store.hashes[0]
+
+
+def test_a_joiner_takes_only_what_trusted_records_show_whichever_donor_hivemind_asks_first():
+    # two islands on forks, the newer one declaring the highest priority
+    older, newer = Donor("a", 7, 1, priority=7.0), Donor("b", 9, 2, priority=9.0)
+    assert _join([older, newer], patience=60)[0] == 0  # no agreement within the join: the seeded weights
+    assert _join([older, newer], patience=0) == (9, newer.hash)  # waited: a state a record shows
+    # a third donor serves a fork nobody's record shows, at the top priority: never taken
+    rogue = Donor("c", 50, 3, priority=1e9)
+    rogue.record = older.record
+    assert _join([older, newer, rogue], patience=0)[0] == 0
+    # two trusted records agree: their state, at once; a flagged island's record does not count...
+    twin = Donor("d", 9, 2, priority=8.0)
+    flagged = Donor("x", 12, 4, priority=12.0)
+    assert _join([twin, newer, flagged], patience=60, distrusted={"x"})[0] == 0  # (x answers first)
+    flagged.priority = 1.0
+    assert _join([twin, newer, flagged], patience=60, distrusted={"x"}) == (9, newer.hash)
+    # ...unless it is the only island left: after the wait, its state rather than the seed
+    assert _join([flagged], patience=60, distrusted={"x"})[0] == 0
+    assert _join([flagged], patience=0, distrusted={"x"}) == (12, flagged.hash)

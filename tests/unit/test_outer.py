@@ -4,7 +4,6 @@ import pytest
 import torch
 
 from p2p_diloco.algo import outer, wire
-from p2p_diloco.island.transfer import vouched_bases
 
 
 def _params(seed, shapes=((4, 3), (5,))):
@@ -180,19 +179,6 @@ def test_only_bases_two_islands_hold_are_vouched_for_once_two_report():
     assert outer.vouched([(3, "a"), (9, "x")]) == []  # two disagree: nobody decides alone
     assert outer.vouched([(3, "a"), (9, "x"), (3, "a")]) == [(3, "a"), (3, "a")]  # one entry per holder
     assert outer.vouched([]) == []
-
-
-def test_a_joiner_that_waited_for_agreement_takes_the_oldest_fork():
-    # islands on forks (each stepped its own): a reporter claiming a far newer version does not win
-    assert outer.oldest_base([(7, "b"), (1000, "x"), (7, "c")]) == (7, "b")  # then the smaller hash
-    assert outer.oldest_base([(7, "c"), (7, "b"), (7, "c"), (9, "x")]) == (7, "c")  # then the one most hold
-    assert outer.oldest_base([(5, "z")]) == (5, "z")
-    with pytest.raises(ValueError):
-        outer.oldest_base([])
-    forks = [([7, 3], ["b", "q"]), ([1000, 3], ["x", "q"])]  # fragment 0 on forks, fragment 1 agreed
-    assert vouched_bases(forks, 2) == [None, (3, "q")]  # before the joiner's patience runs out
-    assert vouched_bases(forks, 2, unvouched=True) == [(7, "b"), (3, "q")]
-    assert vouched_bases([], 1, unvouched=True) == [None]  # nobody reports: nothing to take
 
 
 def test_canonical_base():

@@ -217,7 +217,7 @@ def _member(island, **fields):
     ("none", "mean", {"delta_norm": 1e30}),  # no clipped Delta is that long
     ("none", "mean", {"delta_norm": -1.0}),
     ("none", "mean", {"delta_norm": None}),
-    ("none", "mean", {"delta_norm": 0.1}),  # shorter than its own largest value (0.5): it would stall pair rounds
+    ("none", "mean", {"delta_norm": 0.1}),  # shorter than its own largest value (0.5): it would stall bounded rounds
     ("none", "mean", {"weight": 1e6}),  # not tokens^2 / steps of its own claims
     ("none", "mean", {"tokens": None}),
     ("none", "rda", {"norms": [1e300, 1.0]}),  # no clipped Delta is that long
@@ -250,6 +250,11 @@ def test_a_round_is_bounded_by_its_contributors_lower_median_update_unless_the_r
     assert bounded.halvings(merged, four) == 1  # median_low(L/3, L/2.5, 100, 1e6) = L/2.5
     assert bounded.halvings(merged, pair[1:] + [_member("c", delta_norm=length)]) == 0  # median L: within 2x
     assert bounded.halvings(merged, [pair[0]]) == 0  # 1 contributor: a fallback's business
+    # pair evidence: only from a round of exactly 2 contributors, one of them us
+    assert bounded.pair_partner(pair + [listener], "a") == "b" and bounded.pair_partner(pair, "b") == "a"
+    assert bounded.pair_partner(four, "a") is None and bounded.pair_partner(pair, "l") is None
+    assert bounded.pair_partner([pair[0], pair[1], _member("b")], "a") is None  # (a name twice: no partner)
+    assert bounded.pair_partner([pair[0], _member("a")], "a") is None
     for update in ({"norm_ratio": 0.0}, {"aggregator": "mean"}):
         assert RoundFormat(CONFIG.model_copy(update=update), ("w", "b"), SHAPES).halvings(merged, pair) == 0
 
