@@ -10,7 +10,8 @@ identity), ``freeze`` (SIGSTOP the island's whole process tree for ``duration`` 
 SIGCONT: a straggler), ``kill_bootstrap`` (the islands keep training and a restarted island joins
 through a live island's address), ``kill_donor`` (the island restarts, and whichever island serves
 its state download is SIGKILLed mid-download: the joiner fails over to another donor), ``corrupt``
-(the running island starts sending NaN, Inf or 1e30 pseudo-gradients, on SIGUSR2; for ``duration``
+(the running island starts sending NaN, Inf or 1e30 pseudo-gradients, or attacks within the bounds
+as ``--debug-attack`` does (``value = "flip+inflate"``, docs/SECURITY.md), on SIGUSR2; for ``duration``
 seconds when given, else until the end, restarts included), and, with ``network = "netns"``
 (each island in its own network namespace, see :mod:`p2p_diloco.lab.netns`), ``cut`` (the island's link
 goes down for ``duration`` seconds) and ``throttle`` (its link is limited to ``rate`` with tc tbf).
@@ -33,6 +34,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_valida
 from p2p_diloco.flags import format_validation_error, load_toml
 from p2p_diloco.errors import ConfigError
 from p2p_diloco.island.events import read_events
+from p2p_diloco.lab.faults import ATTACKS, GARBAGE
 from p2p_diloco.lab.figures import run_figures
 from p2p_diloco.lab.localswarm import LocalSwarm
 from p2p_diloco.procs import descendants
@@ -56,13 +58,19 @@ class Fault(BaseModel):
         None, gt=0.0, description="freeze, cut, throttle (default 10): seconds until it ends; corrupt: seconds "
         "the island stays faulty (default: for good)",
     )
-    value: Literal["nan", "inf", "huge"] = Field("nan", description="corrupt: what the faulty island sends")
+    value: str = Field("nan", description="corrupt: what the faulty island sends: nan, inf or huge (out of "
+                       "bounds), or attacks within the bounds (" + ", ".join(a for a in ATTACKS if a != "lying_reducer")
+                       + ", joined by '+')")
     rate: str = Field("20mbit", pattern=r"^[0-9.]+[kmg]?bit$", description="throttle: tc rate, e.g. 20mbit")
 
     @model_validator(mode="after")
     def _default_duration(self) -> "Fault":
         if self.duration is None and self.kind in ("freeze", "cut", "throttle"):
             self.duration = 10.0
+        attacks = self.value.split("+")
+        if self.value not in GARBAGE and not all(a in ATTACKS and a != "lying_reducer" for a in attacks):
+            raise ValueError(f"value {self.value!r}: use nan, inf, huge, or attacks among "
+                             f"{', '.join(a for a in ATTACKS if a != 'lying_reducer')} joined by '+'")
         return self
 
 
@@ -172,7 +180,10 @@ class ChaosRun:
         (no restart, so no start-up cost); one that restarts while faulty gets SIGUSR2 again once it
         started (the "refault" follow-up of its restart)."""
         values = [f.value for f in self.config.faults if f.kind == "corrupt" and f.island == name]
-        return ["--debug-corrupt-outer", values[0], "--debug-corrupt-on-signal"] if values else []
+        if not values:
+            return []
+        return ["--debug-corrupt-outer" if values[0] in GARBAGE else "--debug-attack", values[0],
+                "--debug-corrupt-on-signal"]
 
     def checkpoint_dir(self, index: int) -> Path:
         """Island ``index``'s own checkpoint folder (used when the schedule sets checkpoint_every)."""

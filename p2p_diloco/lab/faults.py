@@ -52,8 +52,8 @@ class DebugConfig(_Section):
         "", description="send NaN, Inf or 1e30 pseudo-gradients, as a faulty island would"
     )
     corrupt_on_signal: bool = Field(
-        False, description="with --debug-corrupt-outer, send garbage only between SIGUSR2s (the first turns the "
-        "island faulty, the next one heals it, and so on)",
+        False, description="with --debug-corrupt-outer or --debug-attack, misbehave only between SIGUSR2s (the "
+        "first turns the island faulty, the next one heals it, and so on)",
     )
     attack: str = Field(
         "", description="send pseudo-gradients within the protocol's bounds that hurt the swarm: one or more of "
@@ -72,8 +72,11 @@ class DebugConfig(_Section):
 
     @model_validator(mode="after")
     def _check_signal(self) -> "DebugConfig":
-        if self.corrupt_on_signal and not self.corrupt_outer:
-            raise ValueError("debug.corrupt_on_signal needs debug.corrupt_outer (what to send once faulty)")
+        if self.corrupt_on_signal and not (self.corrupt_outer or self.attack):
+            raise ValueError("debug.corrupt_on_signal needs debug.corrupt_outer or debug.attack (what to send once "
+                             "faulty)")
+        if self.corrupt_on_signal and "lying_reducer" in self.attacks:
+            raise ValueError("debug.corrupt_on_signal: a lying reducer cannot be toggled (its merge rule is set at start)")
         unknown = [kind for kind in self.attacks if kind not in ATTACKS]
         if unknown:
             raise ValueError(f"debug.attack: unknown {', '.join(unknown)}; use {', '.join(ATTACKS)} joined by '+'")
@@ -115,7 +118,8 @@ class SlowLearner(Learner):
 
 
 class Garbage:
-    """What a faulty island sends, shared by its fragments' formats; SIGUSR2 may toggle it."""
+    """What a faulty island sends (a garbage value, or the attacks it makes), shared by its fragments'
+    formats; SIGUSR2 may toggle it."""
 
     def __init__(self, value: str, faulty: bool):
         self.value, self.faulty = value, faulty
@@ -151,14 +155,16 @@ class AttackingFormat(RoundFormat):
     (``lying_reducer``, the attack on the parts it reduces, is :class:`LyingReducerFormat`.)
     """
 
-    def __init__(self, *args, attacks: Sequence[str], seed: int = 0, **kwargs):
+    def __init__(self, *args, attacks: Sequence[str], seed: int = 0, active: Garbage | None = None, **kwargs):
         super().__init__(*args, **kwargs)
-        self.attacks, self._first = list(attacks), None
+        self.attacks, self._first, self.active = list(attacks), None, active
         self._rng = torch.Generator().manual_seed(seed)
         self._direction = [torch.sign(torch.randn(s, generator=self._rng)) for s in self.shapes]
 
     def contribution(self, delta, tokens: int, steps: int):
         honest = super().contribution(delta, tokens, steps)  # clipped in place
+        if self.active is not None and not self.active.faulty:  # toggled off by SIGUSR2 (chaos runs)
+            return honest
         attacked = [d.clone() for d in honest.delta]
         for kind in self.attacks:
             if kind == "flip":
@@ -222,12 +228,13 @@ class FaultyIslandBuilder(IslandBuilder):
         super().__init__(config, stop)
         self._events = None  # the island's event log, once built
         debug = config.debug
-        self.garbage = Garbage(debug.corrupt_outer, bool(debug.corrupt_outer) and not debug.corrupt_on_signal)
-        if debug.corrupt_outer and debug.corrupt_on_signal:
+        what = debug.corrupt_outer or debug.attack
+        self.garbage = Garbage(what, bool(what) and not debug.corrupt_on_signal)
+        if what and debug.corrupt_on_signal:
             self._toggle_on_signal()
         elif debug.corrupt_outer:
             logger.warning("testing mode: this island sends %s pseudo-gradients", debug.corrupt_outer)
-        if debug.attacks:
+        elif debug.attacks:
             logger.warning("testing mode: this island attacks the swarm (%s)", debug.attack)
 
     def learner(self, **kwargs) -> Learner:
@@ -243,7 +250,7 @@ class FaultyIslandBuilder(IslandBuilder):
         if attacks == ["lying_reducer"]:
             return LyingReducerFormat(config, names, shapes)
         if attacks:
-            return AttackingFormat(config, names, shapes, attacks=attacks)
+            return AttackingFormat(config, names, shapes, attacks=attacks, active=self.garbage)
         return super().round_format(config, names, shapes)
 
     def state_transfer(self, store, stats, **kwargs) -> StateTransfer:
@@ -275,7 +282,7 @@ class FaultyIslandBuilder(IslandBuilder):
 
         threading.Thread(target=log, name="corrupt-notes", daemon=True).start()
         signal.signal(signal.SIGUSR2, toggle)
-        logger.warning("testing mode: SIGUSR2 makes this island send %s pseudo-gradients", self.config.debug.corrupt_outer)
+        logger.warning("testing mode: SIGUSR2 makes this island send %s pseudo-gradients", self.garbage.value)
 
 
 def main(argv: Sequence[str] | None = None) -> None:

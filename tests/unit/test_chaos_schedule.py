@@ -199,3 +199,30 @@ def test_faulty_spans_run_from_corrupt_to_heal_or_the_end():
               {"t": 40.0, "kind": "heal", "island": "island-1"}, {"t": 50.0, "kind": "corrupt", "island": "island-1"},
               {"t": 30.0, "kind": "corrupt", "island": "island-2"}, {"t": 35.0, "kind": "heal", "island": "island-0"}]
     assert faulty_spans(faults, end=100.0) == {"island-1": [(10.0, 40.0), (50.0, 100.0)], "island-2": [(30.0, 100.0)]}
+
+
+def test_a_faulty_island_may_attack_within_the_bounds(tmp_path):
+    text = 'islands = 3\n[[faults]]\nat = 5\nkind = "corrupt"\nisland = "island-1"\nvalue = "{}"\nduration = 30\n'
+    assert load_schedule(write(tmp_path, text.format("flip+inflate"))).faults[0].value == "flip+inflate"
+    for bad in ("lying_reducer", "flip+explode", ""):  # (a lying reducer cannot be switched on and off)
+        with pytest.raises(ConfigError, match="value"):
+            load_schedule(write(tmp_path, text.format(bad)))
+
+
+def test_the_hundred_fault_schedule_keeps_its_rules():
+    """docs/chaos/hundred.toml (scripts/make_chaos_schedule.py): 100 faults of every kind in 30 minutes,
+    at most 1 island faulty and 2 down at once, the last 2 minutes quiet."""
+    from tests.conftest import ROOT
+
+    config = load_schedule(str(ROOT / "docs" / "chaos" / "hundred.toml"))
+    faults = config.faults
+    assert len(faults) == 100 and config.minutes == 30 and max(f.at for f in faults) <= 30 * 60 - 120
+    assert {f.kind for f in faults} == {"kill", "freeze", "kill_bootstrap", "kill_donor", "corrupt", "cut", "throttle"}
+    values = {f.value for f in faults if f.kind == "corrupt"}
+    assert "nan" in values and {"flip+inflate", "noise", "bias", "replay"} <= values
+    faulty = sorted((f.at, f.at + f.duration) for f in faults if f.kind == "corrupt")
+    assert all(end <= start for (_, end), (start, _) in zip(faulty, faulty[1:]))  # one faulty island at a time
+    down = [(f.at, f.at + (f.duration if f.kind == "freeze" else f.restart_after + 45.0)) for f in faults
+            if f.kind in ("kill", "freeze")]
+    assert all(sum(s <= t < e for s, e in down) <= 2 for t, _ in down)
+    assert load_schedule(str(ROOT / "docs" / "chaos" / "hundred_baseline.toml")).faults == []
