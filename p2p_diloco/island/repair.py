@@ -63,7 +63,7 @@ class BaseRepair:
         if target is None:
             return True
         started = self.now()
-        fresh = self.transfer.download_until(p, min_version=target[0], want_hash=target[1], exact=True,
+        fresh = self.transfer.download_until(p, among={target},
                                              deadline=time.monotonic() + max(0.5, deadline - started))
         if fresh is not None:
             self.hand_over(p, fresh, state.theta, reason="reload")

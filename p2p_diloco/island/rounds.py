@@ -196,7 +196,7 @@ class OuterRound:
                                          if island in holders and held == version)
             if counts and counts.most_common(1)[0][1] >= needed:
                 want = counts.most_common(1)[0][0]
-                return self.transfer.download_until(p, min_version=version, want_hash=want, exact=True,
+                return self.transfer.download_until(p, among={(version, want)},
                                                     deadline=deadline)
             self.stop.wait(0.25)
         return None
@@ -284,7 +284,7 @@ class OuterRound:
                                 if island not in self.quarantine], p + 1)[p]
         fresh = None
         if target is not None and target[0] >= state.version and target != (state.version, state.hash):
-            fresh = self.transfer.download_until(p, min_version=target[0], want_hash=target[1], exact=True,
+            fresh = self.transfer.download_until(p, among={target},
                                                  deadline=time.monotonic() + 2.0)
         return RoundOutcome("nonfinite", fresh or state, None, reset_optimizer=True,
                             figures={"reloaded": fresh is not None})

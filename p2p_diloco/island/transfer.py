@@ -73,12 +73,10 @@ class StateTransfer:
 
     # ---------------------------------------------------------------- downloading
 
-    def download(self, p: int, *, min_version: int, want_hash: str = "", timeout: float,
-                 exact: bool = False, among: Optional[Collection[tuple[int, str]]] = None) -> Optional[FragmentState]:
-        """Fragment p's state from the best donor if it is valid, at least ``min_version`` and, when
-        ``want_hash`` is given and the version is exactly ``min_version``, that exact Theta_p; with
-        ``exact``, only version ``min_version`` with hash ``want_hash`` (nothing newer); with
-        ``among``, only one of those (version, hash)."""
+    def download(self, p: int, *, timeout: float, min_version: int = 0,
+                 among: Optional[Collection[tuple[int, str]]] = None) -> Optional[FragmentState]:
+        """Fragment p's state from the best donor if it is valid and at least ``min_version``; with
+        ``among``, only exactly one of those (version, Theta_p hash)."""
         result = self.channels[p].load_state(timeout=timeout)
         if result is None:
             return None
@@ -95,9 +93,8 @@ class StateTransfer:
             logger.warning("ignored a malformed state download for fragment %d", p)
             return None
         version = int(metadata.get("version", -1))
-        if version < min_version or (exact and version != min_version):
-            logger.debug("donor of fragment %d has version %d, not %s %d", p, version, "exactly" if exact else ">=",
-                         min_version)
+        if version < min_version or (among is not None and version not in {v for v, _ in among}):
+            logger.debug("donor of fragment %d has version %d, not one asked for", p, version)
             return None
         theta = [t.to(torch.float32).contiguous() for t in tensors[:n]]
         momentum = [t.to(torch.float32).contiguous() for t in tensors[n:]]
@@ -106,14 +103,14 @@ class StateTransfer:
             logger.warning("ignored a state download with NaN/Inf for fragment %d", p)
             return None
         digest = outer.tensors_hash(theta)  # computed here: the donor's word is not enough
-        if (want_hash and version == min_version and digest != want_hash) or (
-                among is not None and (version, digest) not in among):
+        if among is not None and (version, digest) not in among:
             logger.debug("donor of fragment %d holds another fork of version %d", p, version)
             return None
         self.stats.add(reloads=1)
         return FragmentState(theta, momentum, version, digest, int(metadata.get("support", 1)))
 
-    def download_until(self, p: int, *, min_version: int, deadline: float, want_hash: str = "", exact: bool = False,
+    def download_until(self, p: int, *, deadline: float, min_version: int = 0,
+                       among: Optional[Collection[tuple[int, str]]] = None,
                        stop: Optional[threading.Event] = None) -> Optional[FragmentState]:
         """Retry :meth:`download` (another donor may answer, or the first may finish its round) until
         ``deadline`` (time.monotonic() seconds) or ``stop`` (default: the syncer's)."""
@@ -122,7 +119,7 @@ class StateTransfer:
             remaining = deadline - time.monotonic()
             if remaining <= 0:
                 return None
-            state = self.download(p, min_version=min_version, want_hash=want_hash, exact=exact,
+            state = self.download(p, min_version=min_version, among=among,
                                   timeout=min(10.0, max(1.0, remaining)))
             if state is not None:
                 return state
@@ -151,8 +148,7 @@ class StateTransfer:
                     stop.wait(0.5)
                     continue
                 remaining = deadline - time.monotonic()
-                state = (self.download(p, min_version=min(version for version, _ in wanted), among=wanted,
-                                       timeout=min(10.0, max(1.0, remaining)))
+                state = (self.download(p, among=wanted, timeout=min(10.0, max(1.0, remaining)))
                          if wanted else
                          self.download_until(p, min_version=0, deadline=deadline, stop=stop))
                 if state is None and wanted:

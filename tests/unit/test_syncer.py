@@ -143,7 +143,7 @@ def test_a_download_is_checked_not_trusted():
     island.channel.load_state = lambda timeout: (good[0], nan)
     assert island.transfer.download(0, min_version=0, timeout=1.0) is None
     island.channel.load_state = lambda timeout: (good[0], good[1])
-    assert island.transfer.download(0, min_version=0, want_hash="0" * 16, timeout=1.0) is None  # another fork
+    assert island.transfer.download(0, among={(0, "0" * 16)}, timeout=1.0) is None  # another fork
     state = island.transfer.download(0, min_version=0, timeout=1.0)
     assert state.hash == outer.tensors_hash(theta)  # computed here, not taken from the donor
 
