@@ -11,7 +11,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import threading
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Callable, Optional
 
@@ -98,6 +98,7 @@ class Island:
     clock_probe: Optional[ClockProbe] = None
     reachability: str = "unknown"  # public | nat | client (set by --client-mode on) | unknown
     _no_full_member: bool = False  # a client that sees no full member (said once)
+    _donor_records: list = field(default_factory=list)  # the last read of the donors' records
     channels: list = None
     syncer: Optional[Syncer] = None
     status_line: Optional[StatusLine] = None
@@ -164,6 +165,9 @@ class Island:
         self.board = ProgressBoard(self.dht, config.run_id, public_key)
         teardown(lambda: self.dht.is_alive() and self.board.withdraw(), "withdrawing the progress record")
         others = [r for r in self._first_read() if r.island != config.island]
+        self._donors(others)  # (remembered for the state transfer)
+        self.transfer.holders = lambda: [(r.peer_id, r.fragment_versions, r.fragment_hashes)
+                                         for r in self._donor_records]
         joining.check_fingerprint(others, self.fingerprint, config.run_id)
         logger.info("island %s (peer %s) listening at %s", config.island, self.peer_id, " ".join(self.maddrs))
         self.events({"event": "start", "peer_id": self.peer_id, "fingerprint": self.fingerprint,
@@ -188,7 +192,8 @@ class Island:
                                   quarantine=self.quarantine, transfer=self.transfer, formats=self.formats,
                                   channels=self.channels, learner=self.learner, events=self.events,
                                   swarm_bases=lambda: self.reporter.swarm_bases(), stop=self.rounds_stop,
-                                  swarm_clock=self.clock, swarm_offsets=lambda: self.reporter.clock_offsets())
+                                  swarm_clock=self.clock, swarm_offsets=lambda: self.reporter.clock_offsets(),
+                                  nudge=lambda: self.reporter is not None and self.reporter.nudge())
 
     def _first_read(self, attempts: int = 3, pause: float = 1.0) -> list[IslandProgress]:
         """The others' records at start. A DHT node that has just joined may not have met the nodes
@@ -221,6 +226,7 @@ class Island:
         """After each read of the others' records: learn which islands the swarm caught sending
         garbage (a restart forgets), and tell a client when no full member is left to meet."""
         ours = [r for r in others if r.fingerprint == self.fingerprint]
+        self._donors(others)  # (remembered for the state transfer)
         self.quarantine.adopt([(r.island, r.flagged) for r in ours], self.clock.now())
         if self.client_mode:
             full = any(not is_client(r.reachability) for r in ours)
@@ -233,9 +239,11 @@ class Island:
 
     def _donors(self, records: list[IslandProgress]) -> list[IslandProgress]:
         """The islands that may serve us the global state: training, of our fingerprint, full members
-        (clients behind NAT serve no state), not us."""
-        return [r for r in records if r.state == "training" and r.fingerprint == self.fingerprint
-                and not is_client(r.reachability) and r.island != self.config.island]
+        (clients behind NAT serve no state), not us; remembered, so that a download asks the donors
+        whose records show the state it wants (:attr:`StateTransfer.holders`)."""
+        self._donor_records = [r for r in records if r.state == "training" and r.fingerprint == self.fingerprint
+                               and not is_client(r.reachability) and r.island != self.config.island]
+        return self._donor_records
 
     def _train(self, others: list[IslandProgress]) -> str:
         """Load the global state (a checkpoint, or live peers), start the rounds and train; returns

@@ -53,6 +53,7 @@ class Reporter:
         self.state = "loading"
         self.failure: Optional[str] = None
         self._stop = threading.Event()
+        self._wake = threading.Event()  # set by stop() and nudge(): the next publish and read at once
         self._thread = threading.Thread(target=self._loop, name="reporter", daemon=True)
 
     def start(self) -> None:
@@ -88,7 +89,8 @@ class Reporter:
             except Exception as e:  # a display or record bug must not silence the island
                 logger.warning("progress report failed: %r", e)
             tick += 1
-            self._stop.wait(self.period)
+            self._wake.wait(self.period)
+            self._wake.clear()
 
     def _heal(self) -> None:
         """Dial again the islands we knew but no longer see (their records expired: dead, frozen or
@@ -129,9 +131,16 @@ class Reporter:
             logger.debug("reconnecting to %d peer(s) we no longer see", len(missing))
             self._healing = self.reconnect(missing)
 
+    def nudge(self) -> None:
+        """Publish our record and read the others' now rather than at the next period: after a round
+        changed our state (members that missed its result wait for our record to show its hash), and
+        while we wait for theirs."""
+        self._wake.set()
+
     def stop(self) -> None:
         """Stop the thread (waits for a DHT call in flight, bounded by the board's timeout)."""
         self._stop.set()
+        self._wake.set()
         self._thread.join(timeout=self.board.timeout + self.period)
 
 

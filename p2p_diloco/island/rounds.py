@@ -75,14 +75,17 @@ class OuterRound:
     :param stop: set when the syncer stops: a round in flight is abandoned
     :param records: (island, fragment versions, fragment hashes) of the other live islands, from
         their progress records (which hash a round's result has, before we download it)
+    :param refresh: asks for the records to be read again soon (while we wait for them to show a
+        round's result)
     """
 
     def __init__(self, *, island: str, config: OuterConfig, wire: RoundFormat, channel: FragmentChannel,
                  transfer: StateTransfer, quarantine: Quarantine, clock: SwarmClock, stop: threading.Event,
-                 records: Callable[[], Sequence[tuple[str, list[int], list[str]]]] = list):
+                 records: Callable[[], Sequence[tuple[str, list[int], list[str]]]] = list,
+                 refresh: Callable[[], None] = lambda: None):
         self.island, self.config, self.wire, self.channel = island, config, wire, channel
         self.transfer, self.quarantine, self.clock, self.stop = transfer, quarantine, clock, stop
-        self.records = records
+        self.records, self.refresh = records, refresh
 
     def run(self, p: int, slot: RoundSlot, state: FragmentState, snapshot: Snapshot) -> RoundOutcome:
         """Average fragment p's pseudo-gradient ``Theta_p - snapshot`` at ``slot`` and step ``state``."""
@@ -198,6 +201,7 @@ class OuterRound:
                 want = counts.most_common(1)[0][0]
                 return self.transfer.download_until(p, among={(version, want)},
                                                     deadline=deadline)
+            self.refresh()
             self.stop.wait(0.25)
         return None
 

@@ -8,6 +8,7 @@ the shapes, finite values, a version at least the one asked for, and a hash comp
 from __future__ import annotations
 
 import logging
+import random
 import threading
 import time
 from typing import Callable, Collection, Optional, Sequence
@@ -39,6 +40,8 @@ class StateTransfer:
         self.store, self.stats, self.fingerprint, self.events = store, stats, fingerprint, events
         self.allreduce_timeout, self.stop = allreduce_timeout, stop
         self.channels: Sequence[FragmentChannel] = []
+        # (peer id, fragment versions, fragment hashes) of the live donors, as their records show
+        self.holders: Callable[[], list[tuple[str, list[int], list[str]]]] = list
 
     def attach(self, channels: Sequence[FragmentChannel]) -> None:
         """Download through these channels, one per fragment (opened after the DHT)."""
@@ -76,8 +79,27 @@ class StateTransfer:
     def download(self, p: int, *, timeout: float, min_version: int = 0,
                  among: Optional[Collection[tuple[int, str]]] = None) -> Optional[FragmentState]:
         """Fragment p's state from the best donor if it is valid and at least ``min_version``; with
-        ``among``, only exactly one of those (version, Theta_p hash)."""
-        result = self.channels[p].load_state(timeout=timeout)
+        ``among``, only exactly one of those (version, Theta_p hash), asked first of the donors whose
+        records show one of them (:attr:`holders`), then of whichever donor hivemind picks."""
+        deadline = time.monotonic() + timeout
+        peers = self.holders_of(p, among) if among is not None else []
+        if peers:
+            state = self._checked(p, self.channels[p].load_state(timeout=timeout, peers=peers), min_version, among)
+            if state is not None or deadline - time.monotonic() < 1.0:
+                return state
+        return self._checked(p, self.channels[p].load_state(timeout=max(1.0, deadline - time.monotonic())),
+                             min_version, among)
+
+    def holders_of(self, p: int, among: Collection[tuple[int, str]]) -> list[str]:
+        """Peer ids of the live donors whose records show fragment p at one of ``among`` (version,
+        hash), in random order (so that one that stalls is not always asked first)."""
+        peers = list({peer for peer, base in fragment_bases(self.holders(), p) if base in among})
+        random.shuffle(peers)
+        return peers
+
+    def _checked(self, p: int, result, min_version: int,
+                 among: Optional[Collection[tuple[int, str]]]) -> Optional[FragmentState]:
+        """The downloaded (metadata, tensors) as a state, if valid (docs/SECURITY.md); None otherwise."""
         if result is None:
             return None
         metadata, tensors = result
@@ -87,12 +109,14 @@ class StateTransfer:
             not isinstance(metadata, dict)
             or metadata.get("fingerprint") != self.fingerprint
             or metadata.get("fragment") != p
+            or not isinstance(metadata.get("version"), int)
+            or not isinstance(metadata.get("support", 1), int)
             or len(tensors) != 2 * n
             or any(t.shape != shape for t, shape in zip(tensors, shapes * 2))
         ):
             logger.warning("ignored a malformed state download for fragment %d", p)
             return None
-        version = int(metadata.get("version", -1))
+        version = metadata["version"]
         if version < min_version or (among is not None and version not in {v for v, _ in among}):
             logger.debug("donor of fragment %d has version %d, not one asked for", p, version)
             return None
@@ -107,7 +131,7 @@ class StateTransfer:
             logger.debug("donor of fragment %d holds another fork of version %d", p, version)
             return None
         self.stats.add(reloads=1)
-        return FragmentState(theta, momentum, version, digest, int(metadata.get("support", 1)))
+        return FragmentState(theta, momentum, version, digest, max(1, metadata.get("support", 1)))
 
     def download_until(self, p: int, *, deadline: float, min_version: int = 0,
                        among: Optional[Collection[tuple[int, str]]] = None,

@@ -48,6 +48,52 @@ def _fragment_averager_class():
             metadata, tensors = self._state_provider()
             return metadata, tensors, None
 
+        def load_state_from(self, peers: Sequence[str], *, timeout: float, max_bytes: int):
+            """(metadata, tensors) of the first of ``peers`` (peer ids, in the order given) that serves
+            its state, or None. hivemind's ``load_state_from_peers`` asks the donor of the highest
+            declared priority first and takes whatever it serves; this asks exactly the donors whose
+            records show the state we want (docs/SECURITY.md, "The donor hivemind picks").
+
+            :param timeout: seconds for all of them together
+            :param max_bytes: a donor that streams more tensor bytes than this is dropped
+            """
+            from hivemind.utils.mpfuture import MPFuture
+
+            future = MPFuture()
+            self._outer_pipe.send(("_load_state_from", [list(peers)],
+                                   dict(timeout=timeout, max_bytes=max_bytes, future=future)))
+            try:
+                return future.result(timeout=timeout + 1.0)
+            finally:
+                future.cancel()
+
+        async def _load_state_from(self, peers: list, *, timeout: float, max_bytes: int, future) -> None:
+            import asyncio
+
+            from hivemind.p2p import PeerID
+
+            loop = asyncio.get_event_loop()
+            deadline = loop.time() + timeout
+            try:
+                for peer in peers:
+                    remaining = deadline - loop.time()
+                    if future.done() or remaining <= 0:
+                        return
+                    try:
+                        result = await asyncio.wait_for(
+                            download_state(self, PeerID.from_base58(peer), max_bytes=max_bytes,
+                                           chunk_timeout=self.next_chunk_timeout or self.request_timeout),
+                            timeout=remaining)
+                    except Exception as e:  # gone, refused, too slow, too much, malformed: the next one
+                        logger.debug("state download from %s failed: %r", peer, e)
+                        continue
+                    if result is not None and not future.done():
+                        future.set_result(result)
+                        return
+            finally:
+                if not future.done():
+                    future.set_result(None)
+
         async def _aggregate_with_group(self, group_info, min_vector_size: int, **kwargs):
             """In the averager process, once the group is known and around its all-reduce (hivemind's
             own PowerSGD averager extends this method the same way):
@@ -123,6 +169,39 @@ def run_on_swarm_time(offset: torch.Tensor) -> None:
 
     for name in ("averaging.averager", "averaging.control", "averaging.matchmaking", "utils.timed_storage"):
         importlib.import_module(f"hivemind.{name}").get_dht_time = swarm_time
+
+
+async def download_state(averager, peer, *, max_bytes: int, chunk_timeout: float):
+    """In an averager process: (metadata, tensors) that ``peer``'s averager of the same prefix serves
+    through hivemind's ``rpc_download_state`` (its first message carries the metadata), or None when it
+    serves nothing (no state to share, or a private run's gate refused us).
+
+    :param max_bytes: tensor bytes beyond which the donor is dropped (an honest one sends a fragment's
+        Theta and momentum); the stream is untrusted input
+    :param chunk_timeout: seconds to wait for each message
+    :raises ValueError: the donor streamed more than ``max_bytes``
+    :raises asyncio.TimeoutError: a message took longer than ``chunk_timeout``
+    """
+    from hivemind.compression import deserialize_tensor_stream
+    from hivemind.proto import averaging_pb2
+    from hivemind.utils.asyncio import aiter_with_timeout
+
+    stub = averager.get_stub(averager._p2p, peer, namespace=averager.prefix)
+    stream = await stub.rpc_download_state(averaging_pb2.DownloadRequest())
+    metadata, received = None, 0
+
+    async def parts():
+        nonlocal metadata, received
+        async for message in aiter_with_timeout(stream, timeout=chunk_timeout):
+            if message.metadata and metadata is None:
+                metadata = averager.serializer.loads(message.metadata)
+            received += len(message.tensor_part.buffer)
+            if received > max_bytes:
+                raise ValueError(f"the donor streamed more than {max_bytes} bytes")
+            yield [message.tensor_part]
+
+    tensors = await deserialize_tensor_stream(parts())
+    return None if metadata is None else (metadata, tensors)
 
 
 def averager_stub(p2p, peer, prefix: str):

@@ -84,8 +84,10 @@ class FragmentChannel(Protocol):
     def share_state(self) -> None:
         """Start serving the fragment's state to downloaders."""
 
-    def load_state(self, timeout: float) -> Optional[tuple[dict, list[torch.Tensor]]]:
-        """(metadata, tensors) downloaded from the best donor, or None (nobody, a timeout)."""
+    def load_state(self, timeout: float, peers: Optional[Sequence[str]] = None
+                   ) -> Optional[tuple[dict, list[torch.Tensor]]]:
+        """(metadata, tensors) downloaded from the best donor, or with ``peers`` (peer ids) from the
+        first of those that serves one; None: nobody, a timeout."""
 
     def is_alive(self) -> bool:
         """False once the channel's helper process died."""
@@ -129,6 +131,8 @@ class HivemindChannel:
             self._clock_offset[0] = clock.offset
         self.levels = grid.levels_of(codec)
         numel = sum(int(torch.Size(shape).numel()) for shape in shapes)
+        # Theta_p and m_p in fp32, and room for hivemind's per-tensor headers: a donor that streams more is dropped
+        self._state_bytes = 2 * 4 * numel + 1024 * (2 * len(shapes) + 1)
         # bytes sent, bytes received (counted by the codec), elements whose reducer failed (-1: unknown)
         self._traffic = torch.zeros(3, dtype=torch.int64).share_memory_()
         self._shared = {"grid": torch.zeros(grid.num_chunks(shapes), dtype=torch.int16).share_memory_(),
@@ -228,8 +232,11 @@ class HivemindChannel:
     def share_state(self) -> None:
         self.averager.allow_state_sharing = True
 
-    def load_state(self, timeout: float) -> Optional[tuple[dict, list[torch.Tensor]]]:
+    def load_state(self, timeout: float, peers: Optional[Sequence[str]] = None
+                   ) -> Optional[tuple[dict, list[torch.Tensor]]]:
         try:
+            if peers is not None:
+                return self.averager.load_state_from(peers, timeout=timeout, max_bytes=self._state_bytes)
             return self.averager.load_state_from_peers(wait=True, timeout=timeout)
         except Exception as e:
             logger.debug("state download failed: %r", e)

@@ -204,6 +204,26 @@ def test_a_member_on_a_fork_takes_no_donors_word_for_the_result(group):
     assert loser.syncer.rounds[0]._reload_result(0, {winner.name}, 1) is None and loser.stats.reloads == 0
 
 
+def test_a_member_on_a_fork_asks_the_donors_whose_records_show_the_result(group):
+    """A member that missed a round's result downloads it from the donors whose records show its hash,
+    by peer id: hivemind's own download asks the donor of the highest declared priority first, and
+    one that declares the highest and serves a fork of its own (x) would keep it from the result."""
+    theta = _params(0)
+    a, b, x = group([[t - 0.01 for t in theta], [t - 0.02 for t in theta], theta], theta, names="abx")
+    a.store.publish(0, a.store.states[0].stepped(_params(1, 0.01), 1, 1, lr=0.7, momentum=0.9, nesterov=True))
+    x.store.publish(0, x.store.states[0].stepped(_params(2, 0.01), 2, 1, lr=0.7, momentum=0.9, nesterov=True))
+    x.channel.set_donor_priority(1e6)  # asked first by hivemind, and it serves another state of version 2
+    records = {m.name: lambda m=m: (m.channel.averager.peer_id.to_base58(), m.store.versions, m.store.hashes)
+               for m in (a, x)}
+    b.syncer.rounds[0].records = lambda: [(name, *record()[1:]) for name, record in records.items()]
+    b.transfer.holders = lambda: [record() for record in records.values()]
+    time.sleep(1.0)  # x's declaration reaches the DHT
+    events = run_round(a, b)
+    assert [e["canonical"] for e in events] == [True, False] and b.last["reloaded"] is True
+    assert b.store.versions == a.store.versions == [2] and b.store.hashes == a.store.hashes != x.store.hashes
+    assert not [e for e in x.events if e["event"] == "donate"]  # never asked
+
+
 @pytest.mark.parametrize("garbage", ["nan", "huge"])  # (inf takes nan's path: tests/unit/test_syncer.py)
 def test_a_member_sending_garbage_is_rejected_flagged_and_avoided(group, garbage):
     theta = _params(0)

@@ -148,6 +148,28 @@ def test_a_download_is_checked_not_trusted():
     assert state.hash == outer.tensors_hash(theta)  # computed here, not taken from the donor
 
 
+def test_a_download_of_a_known_state_asks_the_donors_whose_records_show_it_then_anyone():
+    theta = _params(0)
+    island = Island("a", theta, theta, ChannelDouble(SHAPES))
+    good = Island("d", theta, theta, ChannelDouble(SHAPES)).transfer.donate(0)
+    wanted = (0, good[0]["hash"])
+    island.transfer.holders = lambda: [("P1", [0], [wanted[1]]), ("P2", [0], ["0" * 16]), ("P3", [0], [wanted[1]]),
+                                       ("P4", [], [])]
+    assert sorted(island.transfer.holders_of(0, {wanted})) == ["P1", "P3"]
+    asked = []
+
+    def load_state(timeout, peers=None):
+        asked.append(peers)
+        return (good[0], good[1]) if peers is None else None  # the holders moved on: hivemind's pick serves it
+
+    island.channel.load_state = load_state
+    state = island.transfer.download(0, among={wanted}, timeout=5.0)
+    assert state is not None and state.hash == wanted[1]
+    assert sorted(asked[0]) == ["P1", "P3"] and asked[1:] == [None]
+    asked.clear()
+    assert island.transfer.download(0, min_version=0, timeout=5.0) is not None and asked == [None]  # any state
+
+
 def test_repair_reloads_a_newer_version_or_a_majority_fork_but_leaves_ties_to_the_round():
     theta = _params(0)
     fork = "f" * 16
