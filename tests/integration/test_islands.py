@@ -21,10 +21,10 @@ def test_a_lone_island_and_one_joining_through_it_fall_back_below_their_quorum(t
     swarm = LocalSwarm(tmp_path, run_id="quorum")
     quorum = ["--outer-quorum", "3", "--outer-grace-window", "0.9"]
     try:
-        swarm.start_island("q0", *FAST, *quorum, "--max-steps", "80", "--data-shard-index", "0", initial_peers=[])
+        swarm.start_island("q0", *FAST, *quorum, "--max-steps", "64", "--data-shard-index", "0", initial_peers=[])
         start = wait_for(lambda: events_of(swarm.events_path("q0"), "start"), timeout=120, message="q0's start")[0]
         wait_for(lambda: events_of(swarm.events_path("q0"), "step"), timeout=60, message="q0 training")
-        swarm.start_island("q1", *FAST, *quorum, "--max-steps", "60", "--data-shard-index", "1",
+        swarm.start_island("q1", *FAST, *quorum, "--max-steps", "48", "--data-shard-index", "1",
                            initial_peers=start["maddrs"])
         assert swarm.wait_islands(180) == {"q0": 0, "q1": 0}
     finally:
@@ -54,8 +54,8 @@ def test_islands_of_2x_speeds_meet_in_the_same_rounds_with_rda_and_int4(tmp_path
     try:
         swarm.start_bootstrap()
         # as many seconds of training each: the slower island takes half the steps
-        swarm.start_island("fast", *FAST, *OPTIONS, "--max-steps", "100", "--data-shard-index", "0")
-        swarm.start_island("slow", *FAST, *OPTIONS, "--max-steps", "50", "--data-shard-index", "1", "--slowdown", "2")
+        swarm.start_island("fast", *FAST, *OPTIONS, "--max-steps", "80", "--data-shard-index", "0")
+        swarm.start_island("slow", *FAST, *OPTIONS, "--max-steps", "40", "--data-shard-index", "1", "--slowdown", "2")
         assert swarm.wait_islands(240) == {"fast": 0, "slow": 0}
     finally:
         assert not swarm.close(), "processes had to be force-killed"
