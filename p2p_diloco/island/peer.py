@@ -260,7 +260,7 @@ class Island:
                                         events=self.events, timeout=config.join_timeout, stop=self.stop.event,
                                         read_donors=lambda: self._donors(self.board.read()),
                                         distrusted=self.quarantine.__contains__,
-                                        patience=min(2 * config.outer.period, config.join_timeout / 2))
+                                        patience=min(config.outer.period, config.join_timeout / 2))
             for channel in self.channels if not self.client_mode else ():  # nobody could reach a client
                 channel.share_state()
             self.syncer.start()

@@ -323,8 +323,10 @@ class ChaosRun:
         if kind in ("corrupt", "heal"):  # SIGUSR2 toggles the island between faulty and honest
             if (kind == "corrupt") == (name in self.faulty):
                 return self._skip(kind, name, "faulty already" if kind == "corrupt" else "not faulty")
-            # (a dead island restarts honest, and gets SIGUSR2 again if it is to be faulty)
-            if alive and not self._toggle(name):
+            # a dead island restarts honest, and gets SIGUSR2 again if it is to be faulty (_refault); one
+            # that has not started yet is honest too, so healing it is bookkeeping (waiting for its start
+            # kept it counted faulty while the next island turned: two faulty at once)
+            if alive and not self._toggle(name) and kind == "corrupt":
                 return 1.0, kind, fault
             if kind == "corrupt":
                 self.faulty[name] = fault["value"]

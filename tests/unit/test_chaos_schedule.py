@@ -192,6 +192,33 @@ def test_corrupt_toggles_a_running_island_by_signal_once_it_started(tmp_path):
         popen.wait(5)
 
 
+def test_healing_an_island_that_has_not_started_yet_is_bookkeeping(tmp_path):
+    """A faulty island that was killed restarts honest: a heal due before its new life has started
+    takes effect at once (no signal, which would kill it; no retry, which kept it counted faulty)."""
+    import subprocess
+    import threading
+    import time
+
+    from p2p_diloco.lab.chaos import ChaosConfig, ChaosRun, Fault
+    from p2p_diloco.lab.localswarm import Managed
+
+    fault = Fault(at=5, kind="corrupt", island="island-1", value="inf", duration=30)
+    run = ChaosRun(ChaosConfig(islands=2, faults=[fault]), tmp_path, threading.Event())
+    popen = subprocess.Popen(["sleep", "30"])  # SIGUSR2 would end it
+    run.swarm.islands["island-1"] = Managed("island-1", popen, tmp_path / "island-1.log")
+    run.alive["island-1"].append([time.time(), float("inf")])
+    run.faulty["island-1"] = "inf"
+    try:
+        assert run._apply("heal", fault.model_dump()) is None
+        assert run.faults[-1]["kind"] == "heal" and not run.faulty
+        assert run._apply("refault", {"island": "island-1"}) is None  # its pending follow-up does nothing
+        time.sleep(0.2)
+        assert popen.poll() is None
+    finally:
+        popen.kill()
+        popen.wait(5)
+
+
 def test_faulty_spans_run_from_corrupt_to_heal_or_the_end():
     from p2p_diloco.lab.chaos import faulty_spans
 
