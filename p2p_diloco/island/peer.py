@@ -47,6 +47,15 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 
+def join_patience(period: float, join_timeout: float) -> float:
+    """Seconds a joiner waits for the trusted records to agree on a state before it takes one that a
+    single record shows (docs/SECURITY.md, "Joiners among forks"): a quarter of the outer period
+    (at least 2 s), at most half the join timeout. Records that disagree for longer are forks,
+    which the next shared round or the base repair merges; in the 100-fault chaos run, joiners that
+    waited a whole period (20 s) found no agreement at its end either (docs/CHAOS.md)."""
+    return min(max(2.0, period / 4), join_timeout / 2)
+
+
 def averager_prefix(run_id: str, fingerprint: str, fragment: int, num_fragments: int) -> str:
     """The name of fragment ``fragment``'s averager (its DHT keys and RPC namespace): islands of
     another run or fingerprint never meet ours."""
@@ -98,7 +107,7 @@ class Island:
     clock_probe: Optional[ClockProbe] = None
     reachability: str = "unknown"  # public | nat | client (set by --client-mode on) | unknown
     _no_full_member: bool = False  # a client that sees no full member (said once)
-    _donor_records: list = field(default_factory=list)  # the last read of the donors' records
+    _donor_records: list = field(default_factory=list)  # the donors' records a joiner read last
     channels: list = None
     syncer: Optional[Syncer] = None
     status_line: Optional[StatusLine] = None
@@ -165,9 +174,8 @@ class Island:
         self.board = ProgressBoard(self.dht, config.run_id, public_key)
         teardown(lambda: self.dht.is_alive() and self.board.withdraw(), "withdrawing the progress record")
         others = [r for r in self._first_read() if r.island != config.island]
-        self._donors(others)  # (remembered for the state transfer)
-        self.transfer.holders = lambda: [(r.peer_id, r.fragment_versions, r.fragment_hashes)
-                                         for r in self._donor_records]
+        self._donor_records = self._donors(others)
+        self.transfer.holders = self._holders
         joining.check_fingerprint(others, self.fingerprint, config.run_id)
         logger.info("island %s (peer %s) listening at %s", config.island, self.peer_id, " ".join(self.maddrs))
         self.events({"event": "start", "peer_id": self.peer_id, "fingerprint": self.fingerprint,
@@ -226,7 +234,6 @@ class Island:
         """After each read of the others' records: learn which islands the swarm caught sending
         garbage (a restart forgets), and tell a client when no full member is left to meet."""
         ours = [r for r in others if r.fingerprint == self.fingerprint]
-        self._donors(others)  # (remembered for the state transfer)
         self.quarantine.adopt([(r.island, r.flagged) for r in ours], self.clock.now())
         if self.client_mode:
             full = any(not is_client(r.reachability) for r in ours)
@@ -239,11 +246,21 @@ class Island:
 
     def _donors(self, records: list[IslandProgress]) -> list[IslandProgress]:
         """The islands that may serve us the global state: training, of our fingerprint, full members
-        (clients behind NAT serve no state), not us; remembered, so that a download asks the donors
-        whose records show the state it wants (:attr:`StateTransfer.holders`)."""
-        self._donor_records = [r for r in records if r.state == "training" and r.fingerprint == self.fingerprint
-                               and not is_client(r.reachability) and r.island != self.config.island]
+        (clients behind NAT serve no state), not us."""
+        return [r for r in records if r.state == "training" and r.fingerprint == self.fingerprint
+                and not is_client(r.reachability) and r.island != self.config.island]
+
+    def _read_donors(self) -> list[IslandProgress]:
+        """The donors' records read afresh (a joiner's), remembered for :meth:`_holders`."""
+        self._donor_records = self._donors(self.board.read())
         return self._donor_records
+
+    def _holders(self) -> list[tuple[str, list[int], list[str]]]:
+        """(peer id, fragment versions, fragment hashes) of the donors, from the reporter's last read
+        and a joiner's (:attr:`StateTransfer.holders`: a download asks those whose records show the
+        state it wants)."""
+        records = self._donor_records + (self._donors(self.reporter.others) if self.reporter is not None else [])
+        return [(r.peer_id, r.fragment_versions, r.fragment_hashes) for r in records]
 
     def _train(self, others: list[IslandProgress]) -> str:
         """Load the global state (a checkpoint, or live peers), start the rounds and train; returns
@@ -258,9 +275,10 @@ class Island:
                 joining.join_from_peers(self._donors(others),
                                         transfer=self.transfer, store=self.store, learner=self.learner,
                                         events=self.events, timeout=config.join_timeout, stop=self.stop.event,
-                                        read_donors=lambda: self._donors(self.board.read()),
+                                        read_donors=self._read_donors,
                                         distrusted=self.quarantine.__contains__,
-                                        patience=min(config.outer.period, config.join_timeout / 2))
+                                        patience=join_patience(config.outer.period, config.join_timeout))
+            self._donor_records = []  # from now on the reporter's reads are the fresher ones
             for channel in self.channels if not self.client_mode else ():  # nobody could reach a client
                 channel.share_state()
             self.syncer.start()

@@ -15,6 +15,9 @@ from p2p_diloco.net.records import IslandProgress, ProgressBoard, is_client
 logger = logging.getLogger(__name__)
 
 
+NUDGE_SPACING = 0.5  # seconds: nudged reports come at most this often (each is a DHT store and a read)
+
+
 class Reporter:
     """Every ``period`` seconds: checks the island's helper processes, publishes its progress record,
     reads the other islands' records and shows a status line.
@@ -71,7 +74,10 @@ class Reporter:
 
     def _loop(self) -> None:
         tick = 0
+        due = 0.0  # time.monotonic() of the next periodic report
         while not self._stop.is_set():
+            began = time.monotonic()
+            periodic = began >= due
             try:
                 self.failure = self.health()
                 if self.failure:
@@ -79,17 +85,22 @@ class Reporter:
                     self.on_failure()
                     return
                 self.board.publish(self.build_record(self.state), self.ttl)
-                for chore in self.chores:
-                    chore()
+                if periodic:  # (a nudge publishes and reads; the chores keep their period)
+                    for chore in self.chores:
+                        chore()
                 self.others = [r for r in self.board.read() if r.island != self.island]
                 if self.on_records is not None:
                     self.on_records(self.others)
                 self._heal()
-                self.show(self.others, tick)
+                if periodic:
+                    self.show(self.others, tick)
             except Exception as e:  # a display or record bug must not silence the island
                 logger.warning("progress report failed: %r", e)
-            tick += 1
-            self._wake.wait(self.period)
+            if periodic:
+                tick += 1
+                due = began + self.period
+            if self._wake.wait(max(0.0, due - time.monotonic())):  # nudged: not more often than NUDGE_SPACING
+                self._stop.wait(max(0.0, began + NUDGE_SPACING - time.monotonic()))
             self._wake.clear()
 
     def _heal(self) -> None:
@@ -132,9 +143,9 @@ class Reporter:
             self._healing = self.reconnect(missing)
 
     def nudge(self) -> None:
-        """Publish our record and read the others' now rather than at the next period: after a round
-        changed our state (members that missed its result wait for our record to show its hash), and
-        while we wait for theirs."""
+        """Publish our record and read the others' soon (at most every :data:`NUDGE_SPACING` seconds)
+        rather than at the next period: after a round changed our state (members that missed its
+        result wait for our record to show its hash), and while we wait for theirs."""
         self._wake.set()
 
     def stop(self) -> None:

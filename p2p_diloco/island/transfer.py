@@ -80,11 +80,16 @@ class StateTransfer:
                  among: Optional[Collection[tuple[int, str]]] = None) -> Optional[FragmentState]:
         """Fragment p's state from the best donor if it is valid and at least ``min_version``; with
         ``among``, only exactly one of those (version, Theta_p hash), asked first of the donors whose
-        records show one of them (:attr:`holders`), then of whichever donor hivemind picks."""
+        records show one of them (:attr:`holders`), then of whichever donor hivemind picks.
+
+        :param timeout: seconds for the whole download (up to about 1 s more on a busy machine)
+        :returns: None when no donor served a valid state that was asked for
+        """
         deadline = time.monotonic() + timeout
         peers = self.holders_of(p, among) if among is not None else []
         if peers:
-            state = self._checked(p, self.channels[p].load_state(timeout=timeout, peers=peers), min_version, among)
+            state = self._checked(p, self.channels[p].load_state(timeout=max(1.0, timeout - 1.0), peers=peers),
+                                  min_version, among)
             if state is not None or deadline - time.monotonic() < 1.0:
                 return state
         return self._checked(p, self.channels[p].load_state(timeout=max(1.0, deadline - time.monotonic())),
@@ -109,8 +114,8 @@ class StateTransfer:
             not isinstance(metadata, dict)
             or metadata.get("fingerprint") != self.fingerprint
             or metadata.get("fragment") != p
-            or not isinstance(metadata.get("version"), int)
-            or not isinstance(metadata.get("support", 1), int)
+            or type(metadata.get("version")) is not int
+            or type(metadata.get("support", 1)) is not int
             or len(tensors) != 2 * n
             or any(t.shape != shape for t, shape in zip(tensors, shapes * 2))
         ):

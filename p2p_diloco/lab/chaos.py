@@ -326,8 +326,10 @@ class ChaosRun:
             # a dead island restarts honest, and gets SIGUSR2 again if it is to be faulty (_refault); one
             # that has not started yet is honest too, so healing it is bookkeeping (waiting for its start
             # kept it counted faulty while the next island turned: two faulty at once)
-            if alive and not self._toggle(name) and kind == "corrupt":
-                return 1.0, kind, fault
+            if alive and self._started(name):
+                self._toggle(name)
+            elif alive and kind == "corrupt":
+                return 1.0, kind, fault  # its signal handler is not installed yet: again in a second
             if kind == "corrupt":
                 self.faulty[name] = fault["value"]
             else:

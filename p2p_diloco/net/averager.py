@@ -48,51 +48,64 @@ def _fragment_averager_class():
             metadata, tensors = self._state_provider()
             return metadata, tensors, None
 
-        def load_state_from(self, peers: Sequence[str], *, timeout: float, max_bytes: int):
+        def load_state_from(self, peers: Sequence[str], *, timeout: float, max_bytes: int,
+                            max_tensors: int) -> Optional[tuple[dict, list[torch.Tensor]]]:
             """(metadata, tensors) of the first of ``peers`` (peer ids, in the order given) that serves
-            its state, or None. hivemind's ``load_state_from_peers`` asks the donor of the highest
-            declared priority first and takes whatever it serves; this asks exactly the donors whose
-            records show the state we want (docs/SECURITY.md, "The donor hivemind picks").
+            its state. hivemind's ``load_state_from_peers`` asks the donor of the highest declared
+            priority first and takes whatever it serves; this asks exactly the donors whose records
+            show the state we want (docs/SECURITY.md, "The donor hivemind picks").
 
-            :param timeout: seconds for all of them together
-            :param max_bytes: a donor that streams more tensor bytes than this is dropped
+            :param timeout: seconds for all of them together (one deadline for both processes)
+            :param max_bytes: wire bytes beyond which a donor is dropped (see :func:`download_state`)
+            :param max_tensors: tensors beyond which a donor is dropped
+            :returns: None when none of them served a state within ``timeout``
             """
+            import concurrent.futures
+            import time
+
             from hivemind.utils.mpfuture import MPFuture
 
             future = MPFuture()
-            self._outer_pipe.send(("_load_state_from", [list(peers)],
-                                   dict(timeout=timeout, max_bytes=max_bytes, future=future)))
+            deadline = time.monotonic() + timeout  # (CLOCK_MONOTONIC: the same clock in the averager process)
+            self._outer_pipe.send(("_load_state_from", [list(peers)], dict(
+                deadline=deadline, max_bytes=max_bytes, max_tensors=max_tensors, future=future)))
             try:
                 return future.result(timeout=timeout + 1.0)
-            finally:
-                future.cancel()
+            except concurrent.futures.TimeoutError:
+                future.cancel()  # the averager process stops at its next donor
+                return None
 
-        async def _load_state_from(self, peers: list, *, timeout: float, max_bytes: int, future) -> None:
+        async def _load_state_from(self, peers: list, *, deadline: float, max_bytes: int, max_tensors: int,
+                                   future) -> None:
+            """In the averager process: :meth:`load_state_from`'s downloads, one donor after another
+            until one serves a state, ``deadline`` (time.monotonic() seconds) passes or the caller
+            cancels ``future``."""
             import asyncio
+            import contextlib
+            import time
+            from concurrent.futures import InvalidStateError
 
             from hivemind.p2p import PeerID
 
-            loop = asyncio.get_event_loop()
-            deadline = loop.time() + timeout
-            try:
-                for peer in peers:
-                    remaining = deadline - loop.time()
+            result = None
+            for peer in peers:
+                remaining = deadline - time.monotonic()
+                if future.done() or remaining <= 0 or peer == self.peer_id.to_base58():
                     if future.done() or remaining <= 0:
-                        return
-                    try:
-                        result = await asyncio.wait_for(
-                            download_state(self, PeerID.from_base58(peer), max_bytes=max_bytes,
-                                           chunk_timeout=self.next_chunk_timeout or self.request_timeout),
-                            timeout=remaining)
-                    except Exception as e:  # gone, refused, too slow, too much, malformed: the next one
-                        logger.debug("state download from %s failed: %r", peer, e)
-                        continue
-                    if result is not None and not future.done():
-                        future.set_result(result)
-                        return
-            finally:
-                if not future.done():
-                    future.set_result(None)
+                        break
+                    continue  # (a record naming us: nothing to ask)
+                try:
+                    result = await asyncio.wait_for(
+                        download_state(self, PeerID.from_base58(peer), max_bytes=max_bytes, max_tensors=max_tensors,
+                                       chunk_timeout=self.next_chunk_timeout or self.request_timeout),
+                        timeout=remaining)
+                except Exception as e:  # gone, refused, too slow, too much, malformed: the next one
+                    logger.debug("state download from %s failed: %r", peer, e)
+                    continue
+                if result is not None:
+                    break
+            with contextlib.suppress(InvalidStateError):  # the caller gave up meanwhile
+                future.set_result(result)
 
         async def _aggregate_with_group(self, group_info, min_vector_size: int, **kwargs):
             """In the averager process, once the group is known and around its all-reduce (hivemind's
@@ -171,16 +184,20 @@ def run_on_swarm_time(offset: torch.Tensor) -> None:
         importlib.import_module(f"hivemind.{name}").get_dht_time = swarm_time
 
 
-async def download_state(averager, peer, *, max_bytes: int, chunk_timeout: float):
+async def download_state(averager, peer, *, max_bytes: int, max_tensors: int, chunk_timeout: float):
     """In an averager process: (metadata, tensors) that ``peer``'s averager of the same prefix serves
     through hivemind's ``rpc_download_state`` (its first message carries the metadata), or None when it
-    serves nothing (no state to share, or a private run's gate refused us).
+    serves nothing (no state to share, or a private run's gate refused us). The stream is untrusted
+    input: it is bounded in bytes and tensors, and its metadata must come once, first.
 
-    :param max_bytes: tensor bytes beyond which the donor is dropped (an honest one sends a fragment's
-        Theta and momentum); the stream is untrusted input
+    :param max_bytes: wire bytes (whole messages) beyond which the donor is dropped; an honest one
+        sends a fragment's Theta and momentum in fp32
+    :param max_tensors: tensors beyond which the donor is dropped
     :param chunk_timeout: seconds to wait for each message
-    :raises ValueError: the donor streamed more than ``max_bytes``
+    :raises ValueError: the donor streamed too much, or metadata other than once, first
     :raises asyncio.TimeoutError: a message took longer than ``chunk_timeout``
+    :raises Exception: whatever hivemind's P2P, msgpack or tensor deserialization raise for a donor
+        that is gone or sends garbage
     """
     from hivemind.compression import deserialize_tensor_stream
     from hivemind.proto import averaging_pb2
@@ -188,20 +205,24 @@ async def download_state(averager, peer, *, max_bytes: int, chunk_timeout: float
 
     stub = averager.get_stub(averager._p2p, peer, namespace=averager.prefix)
     stream = await stub.rpc_download_state(averaging_pb2.DownloadRequest())
-    metadata, received = None, 0
+    metadata, received, tensors, first = None, 0, 0, True
 
     async def parts():
-        nonlocal metadata, received
+        nonlocal metadata, received, tensors, first
         async for message in aiter_with_timeout(stream, timeout=chunk_timeout):
-            if message.metadata and metadata is None:
+            if message.metadata:
+                if not first:
+                    raise ValueError("the donor sent metadata other than in its first message")
                 metadata = averager.serializer.loads(message.metadata)
-            received += len(message.tensor_part.buffer)
-            if received > max_bytes:
-                raise ValueError(f"the donor streamed more than {max_bytes} bytes")
+            first = False
+            received += message.ByteSize() + 64  # (+64: empty messages count too)
+            tensors += bool(message.tensor_part.dtype)  # (a part that names its dtype starts a tensor)
+            if received > max_bytes or tensors > max_tensors:
+                raise ValueError(f"the donor streamed more than {max_bytes} bytes or {max_tensors} tensors")
             yield [message.tensor_part]
 
-    tensors = await deserialize_tensor_stream(parts())
-    return None if metadata is None else (metadata, tensors)
+    downloaded = await deserialize_tensor_stream(parts())
+    return None if metadata is None else (metadata, downloaded)
 
 
 def averager_stub(p2p, peer, prefix: str):

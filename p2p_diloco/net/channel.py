@@ -131,8 +131,11 @@ class HivemindChannel:
             self._clock_offset[0] = clock.offset
         self.levels = grid.levels_of(codec)
         numel = sum(int(torch.Size(shape).numel()) for shape in shapes)
-        # Theta_p and m_p in fp32, and room for hivemind's per-tensor headers: a donor that streams more is dropped
-        self._state_bytes = 2 * 4 * numel + 1024 * (2 * len(shapes) + 1)
+        # Theta_p and m_p in fp32, and room for the messages' headers and metadata: a donor that streams
+        # more, or more tensors, is dropped (a download by peer id)
+        # (hivemind streams 64 KiB parts; download_state counts 64 bytes more per message)
+        self._state_bytes = 2 * 4 * numel + 4096 * (2 * len(shapes) + 1) + numel // 64
+        self._state_tensors = 2 * len(shapes)
         # bytes sent, bytes received (counted by the codec), elements whose reducer failed (-1: unknown)
         self._traffic = torch.zeros(3, dtype=torch.int64).share_memory_()
         self._shared = {"grid": torch.zeros(grid.num_chunks(shapes), dtype=torch.int16).share_memory_(),
@@ -236,7 +239,8 @@ class HivemindChannel:
                    ) -> Optional[tuple[dict, list[torch.Tensor]]]:
         try:
             if peers is not None:
-                return self.averager.load_state_from(peers, timeout=timeout, max_bytes=self._state_bytes)
+                return self.averager.load_state_from(peers, timeout=timeout, max_bytes=self._state_bytes,
+                                                     max_tensors=self._state_tensors)
             return self.averager.load_state_from_peers(wait=True, timeout=timeout)
         except Exception as e:
             logger.debug("state download failed: %r", e)

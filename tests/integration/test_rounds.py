@@ -217,7 +217,15 @@ def test_a_member_on_a_fork_asks_the_donors_whose_records_show_the_result(group)
                for m in (a, x)}
     b.syncer.rounds[0].records = lambda: [(name, *record()[1:]) for name, record in records.items()]
     b.transfer.holders = lambda: [record() for record in records.values()]
-    time.sleep(1.0)  # x's declaration reaches the DHT
+
+    def declared():  # x's declaration has reached the DHT: hivemind's download would ask x first
+        found = a.channel.averager.dht.get(f"{x.channel.averager.prefix}.all_averagers", latest=True)
+        return found is not None and any(getattr(entry, "value", None) == 1e6 for entry in found.value.values())
+
+    deadline = time.monotonic() + 15
+    while not declared():
+        assert time.monotonic() < deadline, "x's donor declaration never reached the DHT"
+        time.sleep(0.2)
     events = run_round(a, b)
     assert [e["canonical"] for e in events] == [True, False] and b.last["reloaded"] is True
     assert b.store.versions == a.store.versions == [2] and b.store.hashes == a.store.hashes != x.store.hashes
