@@ -497,9 +497,10 @@ def combine(rows: Sequence[dict], failure_rows: Sequence[dict]) -> list[dict]:
     return out_rows
 
 
-def run_bench(bench: Bench, arms: Sequence[str], *, failure: bool = True) -> list[dict]:
-    """Run the clean pass of every arm, then (with ``failure``) the failure pass, then write
-    ``results.json``, ``table.md`` and ``compare.png`` under ``bench.out``; returns the table rows."""
+def run_bench(bench: Bench, arms: Sequence[str], *, failure_arms: Optional[Sequence[str]] = None) -> list[dict]:
+    """Run the clean pass of every arm, then the failure pass of ``failure_arms`` (default: every
+    arm), then write ``results.json``, ``table.md`` and ``compare.png`` under ``bench.out``; returns
+    the table rows."""
     bench.out.mkdir(parents=True, exist_ok=True)
     clean, failed = [], []
     for name in arms:
@@ -510,12 +511,11 @@ def run_bench(bench: Bench, arms: Sequence[str], *, failure: bool = True) -> lis
             bench.step_seconds = median_step_seconds(bench.out / "clean" / "ddp", bench.learners)
         print(f"[compare]   eval loss {clean[-1]['eval_loss']}, wall {clean[-1]['wall_seconds']} s, "
               f"utilization {clean[-1]['utilization']}, bytes/token {clean[-1]['bytes_per_token']}", flush=True)
-    if failure:
-        for name in arms:
-            print(f"[compare] {name}, failure pass: learner island-1 SIGKILLed halfway", flush=True)
-            failed.append(run_pass(name, bench, failure=True))
-            print(f"[compare]   eval loss {failed[-1]['eval_loss']}, downtime "
-                  f"{failed[-1]['global_downtime_seconds']} s", flush=True)
+    for name in arms if failure_arms is None else [arm for arm in arms if arm in failure_arms]:
+        print(f"[compare] {name}, failure pass: learner island-1 SIGKILLed halfway", flush=True)
+        failed.append(run_pass(name, bench, failure=True))
+        print(f"[compare]   eval loss {failed[-1]['eval_loss']}, downtime "
+              f"{failed[-1]['global_downtime_seconds']} s", flush=True)
     rows = combine(clean, failed)
     files.write_json(bench.out / "results.json", {"clean": clean, "failure": failed, "table": rows,
                                                   "period": bench.period()})

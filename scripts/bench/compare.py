@@ -9,6 +9,7 @@ Definitions: p2p_diloco/benchmark.py; results: docs/BENCHMARKS.md.
 
     .venv/bin/pip install -e '.[bench]'          # torchft==0.2.0
     .venv/bin/python scripts/bench/compare.py [--steps 200] [--h 50] [--arms ddp ours] [--no-failure]
+        [--failure-arms ddp ours]
 """
 
 from __future__ import annotations
@@ -23,14 +24,20 @@ def main() -> int:
                                       period_help="our outer period in seconds (default: H x the ddp arm's step time)")
     parser.add_argument("--restart-after", type=float, default=20.0, help="seconds from kill to restart")
     parser.add_argument("--no-failure", action="store_true", help="skip the failure pass")
+    parser.add_argument("--failure-arms", nargs="+", metavar="ARM", default=None,
+                        help="arms of the failure pass, in order (default: every arm of --arms)")
     args = parser.parse_args()
+    failure_arms = [] if args.no_failure else (args.failure_arms or list(args.arms))
+    unknown = [arm for arm in failure_arms if arm not in args.arms]
+    if unknown:
+        parser.error(f"--failure-arms {' '.join(unknown)}: not in --arms ({' '.join(args.arms)})")
     if "torchft" in args.arms:
         try:
             import torchft  # noqa: F401
         except ImportError:
             parser.error("the torchft arm needs torchft: pip install -e '.[bench]' (or drop it with --arms)")
     bench = bench_from_args(parser, args, "compare", restart_after=args.restart_after)
-    return run(lambda: run_bench(bench, args.arms, failure=not args.no_failure))
+    return run(lambda: run_bench(bench, args.arms, failure_arms=failure_arms))
 
 
 if __name__ == "__main__":

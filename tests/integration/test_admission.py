@@ -195,7 +195,7 @@ def test_a_private_swarm_refuses_rogues_and_drops_a_revoked_island_within_a_reco
     an island's averagers, while the swarm forms; then the operator revokes island-2's certificate."""
     from p2p_diloco.lab.localswarm import LocalSwarm
     from p2p_diloco.lab.rogues import DOORS, KINDS, PrivateRun, targets_of
-    from tests.integration.helpers import FAST, assert_clean_error, cli_in_background, events_of, status_json, wait_for
+    from tests.integration.helpers import FAST, assert_clean_error, cli_in_background, events_of, wait_for
 
     run = PrivateRun(tmp_path / "keys", RUN)
     names = ["island-0", "island-1", "island-2"]
@@ -244,6 +244,9 @@ def test_a_private_swarm_refuses_rogues_and_drops_a_revoked_island_within_a_reco
 
         wait_for(lambda: sum(e["outcome"] == "ok" for e in rounds_after("island-0", settled)) >= 2, 60,
                  message="island-0's rounds after the revocation")
+        # an admitted observer sees the two islands left (it runs while the rogues finish)
+        observer = cli_in_background("status", "--initial-peers", *swarm.initial_peers, "--run-id", RUN, "--json",
+                                     "--join-timeout", "15", *run.flags("watcher", "observer"))
         assert_clean_error(stranger(), 3, "could not reach any initial peer")
         assert attack.popen.wait(120) == 0
         report = json.loads(report_path.read_text())
@@ -266,8 +269,10 @@ def test_a_private_swarm_refuses_rogues_and_drops_a_revoked_island_within_a_reco
         status = live()
         refused = status[1]["refused"]
         assert status[0] == {"island-0", "island-1"} and refused >= 1  # island-2 and the rogues that reached one
-        assert {r["island"] for r in status_json(swarm.initial_peers, RUN, *run.flags("watcher", "observer"))[
-            "islands"]} == {"island-0", "island-1"}  # an admitted observer
+        watched = observer()
+        assert watched.returncode == 0, watched.stderr
+        assert {r["island"] for r in json.loads(watched.stdout.strip().splitlines()[-1])["islands"]} == {
+            "island-0", "island-1"}
         print(f"island-2 left the records {gone_after:.1f} s after its revocation; {refused} peer(s) refused; "
               f"rogues: {report['attempts']} attempts in {report['seconds']} s, all refused")
     finally:
