@@ -39,7 +39,7 @@ class Reporter:
                  ttl: float, fingerprint: str, island: str, show: Callable[[list, int], None],
                  health: Callable[[], Optional[str]], on_failure: Callable[[], None],
                  reconnect: Optional[Callable[[dict], object]] = None, initial: Optional[dict] = None,
-                 heal_every: float = 5.0, forget_after: float = 600.0, initial_every: float = 30.0,
+                 heal_every: float = 5.0, forget_after: float = 600.0, initial_every: float = 10.0,
                  on_records: Optional[Callable[[list], None]] = None, chores: Sequence[Callable[[], None]] = ()):
         self.board, self.build_record, self.period, self.ttl = board, build_record, period, ttl
         self.fingerprint, self.island, self.show = fingerprint, island, show

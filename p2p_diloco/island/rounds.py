@@ -105,8 +105,11 @@ class OuterRound:
         deadline = slot.time + max(self.config.grace_window, self.config.request_timeout)
         gathered = self.channel.all_reduce(gather=gather, weight=max(mine.weight, LISTENER_WEIGHT),
                                            scheduled_time=slot.time, deadline=deadline, stop=self.stop)
-        after, seconds = self.channel.traffic(), self.clock.now() - slot.time
-        figures = {"bytes_sent": after[0] - before[0], "bytes_received": after[1] - before[1],
+        merged_at = self.clock.now()
+        after, seconds = self.channel.traffic(), merged_at - slot.time
+        # t_merged: when the all-reduce returned (the others had our contribution); a member that
+        # missed the base then waits for the result's hash before the round ends (t_end)
+        figures = {"t_merged": merged_at, "bytes_sent": after[0] - before[0], "bytes_received": after[1] - before[1],
                    "base_version": state.version, "base_hash": state.hash, "weight": mine.weight,
                    "tokens": snapshot.tokens, "steps": snapshot.steps, "clipped": mine.clipped,
                    "contributed": snapshot.steps > 0}

@@ -7,6 +7,8 @@ All times are wall-clock seconds. An island's *steps* are the intervals ``[t - d
 
 from __future__ import annotations
 
+import math
+
 import statistics
 from dataclasses import dataclass, field
 from typing import Iterable, Mapping, Sequence
@@ -158,7 +160,8 @@ def run_figures(
     :param alive: island -> intervals its process ran (killed time excluded, frozen time included)
     :param frozen: island -> intervals it was stopped by SIGSTOP
     :param faults: ``{"t", "kind", "island"}`` for each kill or freeze; ``{"t", "kind": "restart",
-        "island"}`` for each restart (time to rejoin runs from it to the island's next contributed round)
+        "island"}`` for each restart (time to rejoin runs from it to the end of the all-reduce of the
+        island's next contributed ok round)
     :param stall_window: seconds after a fault in which the survivors' lost time is counted
     """
     # a step that straddles a SIGSTOP measured the frozen seconds too (its dt is wall time): not useful work
@@ -194,9 +197,18 @@ def run_figures(
     for fault in faults:
         if fault["kind"] != "restart" or fault.get("faulty"):
             continue  # a faulty island's rounds are rejected: it never "contributes again"
+        # contributing = the others got our pseudo-gradient: the all-reduce's end (t_merged), not the
+        # wait for the result's hash a member that missed the base does after it (t_end)
         rounds = [e for e in events.get(fault["island"], []) if e.get("event") == "round"
                   and e.get("outcome") == "ok" and e.get("contributed") and e["t_end"] > fault["t"]]
-        first = min((e["t_end"] for e in rounds), default=None)
+        first = min((e.get("t_merged", e["t_end"]) for e in rounds), default=None)
+        # one that turned faulty before it contributed cannot contribute (its rounds are rejected)
+        turned = min((f["t"] for f in faults if f["kind"] == "corrupt" and f.get("island") == fault["island"]
+                      and fault["t"] < f["t"] < (first or math.inf)), default=None)
+        if turned is not None:
+            rejoins.append({"island": fault["island"], "restarted": round(fault["t"], 3),
+                            "turned_faulty": round(turned, 3), "first_round": None, "seconds": None})
+            continue
         rejoins.append({"island": fault["island"], "restarted": round(fault["t"], 3),
                         "first_round": round(first, 3) if first else None,
                         "seconds": round(first - fault["t"], 3) if first else None})

@@ -40,6 +40,15 @@ def test_a_killed_island_costs_goodput_not_alive_utilization():
     assert result.global_downtime == 0  # a kept training
     assert result.stall_per_failure == [{"fault": "kill", "t": 40, "island": "a", "seconds": 0.0}]
     assert result.rejoin_seconds[0]["seconds"] == pytest.approx(12.5)
+    # it contributed when the all-reduce ended, before its wait for the result's hash (t_end)
+    events["b"][-1] |= {"t_merged": 70.0, "t_end": 76.0}
+    result = figures.run_figures(events, start=0, end=100, alive=alive, frozen={}, faults=faults)
+    assert result.rejoin_seconds[0]["seconds"] == pytest.approx(10.0)
+    # one that turned faulty before it contributed is not timed (its rounds are rejected)
+    result = figures.run_figures(events, start=0, end=100, alive=alive, frozen={},
+                                 faults=faults + [{"t": 65, "kind": "corrupt", "island": "b"}])
+    assert result.rejoin_seconds == [{"island": "b", "restarted": 60, "turned_faulty": 65, "first_round": None,
+                                      "seconds": None}]
 
 
 def test_a_pause_of_every_island_is_global_downtime_and_a_survivor_stall():
