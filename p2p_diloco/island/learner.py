@@ -137,7 +137,8 @@ class Learner:
         return self._step_time_ema
 
     def tokens_per_second(self) -> float:
-        """Tokens per second over the last (up to 64) inner steps."""
+        """Tokens per second over the last (up to 63) inner steps, or since the first step's start
+        (0 before the first step ends)."""
         if len(self._throughput) < 2:
             return 0.0
         (t0, n0), (t1, n1) = self._throughput[0], self._throughput[-1]
@@ -177,6 +178,8 @@ class Learner:
         start_wall, start = time.time(), time.perf_counter()
         if not self.stats.first_step_start:
             self.stats.first_step_start = start_wall
+        if not self._throughput:  # (the first step's start: tokens/s is known after one step)
+            self._throughput.append((start_wall, self.stats.tokens))
         batch = self.next_batch()  # (B, T+1)
         value = self._optimize(batch)
         self.pace(time.perf_counter() - start)

@@ -171,7 +171,7 @@ class Island:
         self.clock_probe.check_at_start()  # a clock the DHT would refuse ends the start here (exit code 3)
         if self.admission is not None:  # before any donor may look for our certificate
             self.admission.tick(self.dht, config.progress.ttl)
-        self.board = ProgressBoard(self.dht, config.run_id, public_key)
+        self.board = ProgressBoard(self.dht, config.run_id, public_key, offset=lambda: self.clock.offset)
         teardown(lambda: self.dht.is_alive() and self.board.withdraw(), "withdrawing the progress record")
         others = [r for r in self._first_read() if r.island != config.island]
         self._donor_records = self._donors(others)

@@ -11,7 +11,7 @@ from __future__ import annotations
 import logging
 import math
 import threading
-from typing import Dict, List, Literal, Mapping, Optional
+from typing import Callable, Dict, List, Literal, Mapping, Optional
 
 from hivemind.dht.schema import BytesWithPublicKey, RSASignatureValidator, SchemaValidator
 from hivemind.utils import ValueWithExpiration, get_dht_time
@@ -84,10 +84,15 @@ class ProgressBoard:
 
     :param dht: a running ``hivemind.DHT`` created with :func:`make_validators`'s validators
     :param public_key: this process's public key (the subkey of its own record)
+    :param offset: returns the seconds this machine's clock is ahead of the swarm's (an island's
+        measured offset): records expire ``ttl`` seconds after they are published on the swarm's
+        time, so that an island whose clock runs behind does not vanish from the others' view early
     """
 
-    def __init__(self, dht, run_id: str, public_key: bytes, *, timeout: float = 10.0):
+    def __init__(self, dht, run_id: str, public_key: bytes, *, timeout: float = 10.0,
+                 offset: Callable[[], float] = lambda: 0.0):
         self.dht, self.key, self.public_key, self.timeout = dht, progress_key(run_id), public_key, timeout
+        self.offset = offset
         self._lock = threading.Lock()
         self._withdrawn = False
         self._last_expiration = 0.0
@@ -95,13 +100,17 @@ class ProgressBoard:
     def publish(self, record: IslandProgress, ttl: float) -> bool:
         """Store this island's record for ``ttl`` seconds; False if the DHT did not accept it in time
         or the record was withdrawn."""
-        return self._store(record.dict(), get_dht_time() + ttl)
+        return self._store(record.dict(), self._now() + ttl)
 
     def withdraw(self) -> bool:
         """Replace this island's record by an empty one so observers drop it at once; later
         :meth:`publish` calls do nothing."""
         # the DHT keeps the value with the latest expiration: outlast the last record we published
-        return self._store(None, max(get_dht_time() + self.timeout, self._last_expiration + 1.0), final=True)
+        return self._store(None, max(self._now() + self.timeout, self._last_expiration + 1.0), final=True)
+
+    def _now(self) -> float:
+        """The swarm's time (seconds since the epoch): hivemind's DHT time less our clock's offset."""
+        return get_dht_time() - self.offset()
 
     def _store(self, value, expiration_time: float, final: bool = False) -> bool:
         try:

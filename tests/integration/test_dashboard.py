@@ -225,9 +225,18 @@ def test_an_attacker_is_flagged_and_shown_then_killed_departs_and_a_stopped_isla
         page.wait_for_function("window.dashboard && window.dashboard.updates >= 1", timeout=30_000)
         assert page.text_content("#t-flagged") == "victim (outlier)"
     # its rounds with the honest islands were ok (every value passed the checks; where it was one of only
-    # 2 contributors, the result was cut short: docs/SECURITY.md); their eval loss fell
-    after = wait_for(lambda: all(_evals(swarm, n)[-1]["t"] > max(e["t"] for e in flags) for n in ISLANDS)
-                     and {n: _evals(swarm, n)[-1] for n in ISLANDS}, timeout=60, message="evals after the flag")
+    # 2 contributors, the result was cut short, but a pair round may still move the model by up to twice
+    # an honest update the wrong way: docs/SECURITY.md); their eval loss is below its level before the
+    # attacker within 3 evals (60 inner steps) of the flag
+    flagged_at = max(e["t"] for e in flags)
+
+    def evals_after(n):
+        return [e for e in _evals(swarm, n) if e["t"] > flagged_at][:3]
+
+    after = wait_for(lambda: all(len(evals_after(n)) == 3 or any(e["eval_loss"] < before[n]["eval_loss"]
+                                                                 for e in evals_after(n)) for n in ISLANDS)
+                     and {n: min(evals_after(n), key=lambda e: e["eval_loss"]) for n in ISLANDS},
+                     timeout=60, message="evals after the flag")
     attacked = [e for name in ISLANDS for e in _events(swarm, name)
                 if e.get("event") == "round" and "victim" in e.get("members", [])]
     assert attacked and all(e["outcome"] == "ok" for e in attacked), attacked

@@ -87,6 +87,16 @@ def test_training_lowers_the_loss_and_times_the_steps():
     assert 0.0 < learner.stats.utilization <= 1.0 and learner.stats.inner_steps == 60
 
 
+def test_tokens_per_second_is_known_after_the_first_step():
+    learner = _learner()
+    assert learner.tokens_per_second() == 0.0
+    learner.train_step()
+    first = learner.tokens_per_second()
+    assert 0.0 < first < float("inf")
+    learner.train_step()
+    assert learner.tokens_per_second() > 0.0 and learner.stats.tokens == 2 * 2 * 8
+
+
 def test_updates_wait_for_their_overlap_step_unless_forced():
     learner = _learner()
     learner.train_step()

@@ -96,3 +96,29 @@ def test_status_says_which_islands_are_behind_nat():
     assert "NAT (client)" in rows["home"] and "public" in rows["i0"] and " client " in rows["forced"]
     assert [island_metrics(r.dict())["client_mode"] for r in records] == [0.0, 1.0, 1.0]
     assert _record().reachability == "unknown"  # records of older islands still validate
+
+
+def test_records_expire_on_the_swarms_time_when_our_clock_is_off():
+    from concurrent.futures import Future
+
+    from hivemind.utils import get_dht_time
+
+    from p2p_diloco.net.records import ProgressBoard
+
+    class StoringDHT:
+        def __init__(self):
+            self.expirations = []
+
+        def store(self, key, subkey, value, expiration_time, return_future):
+            self.expirations.append(expiration_time)
+            done = Future()
+            done.set_result(True)
+            return done
+
+    dht = StoringDHT()
+    behind = ProgressBoard(dht, "run", b"key", offset=lambda: -2.0)  # our clock runs 2 s behind the swarm's
+    before = get_dht_time()
+    assert behind.publish(_record(), ttl=6.0)
+    assert before + 8.0 <= dht.expirations[-1] <= get_dht_time() + 8.0  # 6 s of the swarm's time
+    assert behind.withdraw() and dht.expirations[-1] > dht.expirations[0]  # the empty record outlasts it
+    assert not behind.publish(_record(), ttl=6.0) and len(dht.expirations) == 2
