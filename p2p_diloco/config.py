@@ -94,7 +94,12 @@ class InnerConfig(_Section):
     )
     decay_steps: int = Field(0, ge=0, description="cosine: the inner step at which the decay ends (0: max_steps)")
     min_lr_ratio: float = Field(0.1, ge=0.0, le=1.0, description="cosine: final learning rate / peak")
-    batch_size: Optional[int] = Field(None, gt=0, description="sequences per inner step (default: the preset's)")
+    batch_size: Optional[int] = Field(None, gt=0, description="sequences per micro-batch (default: the preset's)")
+    grad_accum_steps: int = Field(
+        1, ge=1, le=1024, description="micro-batches per inner step: one AdamW step on the mean gradient of "
+        "grad_accum_steps x batch_size sequences, one micro-batch in memory at a time (nanoGPT's "
+        "gradient_accumulation_steps)",
+    )
     grad_clip: float = Field(1.0, ge=0.0, description="gradient-norm clip (0 disables)")
 
 

@@ -124,7 +124,7 @@ class IslandBuilder:
             raise ConfigError(f"data.shard_index (--data-shard-index) {shard} must be below data.num_shards "
                               f"({config.data.num_shards})")
         batch_size = config.inner.batch_size or spec.batch_size
-        island.tokens_per_step, island.shard = batch_size * spec.seq_len, shard
+        island.tokens_per_step, island.shard = batch_size * spec.seq_len * config.inner.grad_accum_steps, shard
         island.sampler = data_lib.BatchSampler(corpus.shard(shard, config.data.num_shards), batch_size, spec.seq_len,
                                                config.model.seed, config.island)
         try:

@@ -113,7 +113,7 @@ class Learner:
             lr=inner.lr, betas=(inner.beta1, inner.beta2), eps=1e-8,
         )
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lambda step: lr_factor(inner, step))
-        self.grad_clip = inner.grad_clip
+        self.grad_clip, self.grad_accum_steps = inner.grad_clip, inner.grad_accum_steps
         self.autocast = device.type == "cuda"
         self.stats = LearnerStats()
         self.boundary = StepBoundary(self.fragment_params, self.stats, self.optimizer)
@@ -174,19 +174,19 @@ class Learner:
             return F.cross_entropy(logits.reshape(-1, logits.size(-1)), targets.reshape(-1))
 
     def train_step(self) -> float:
-        """One inner step: forward, backward, clip, AdamW. Returns the training loss (nats/token)."""
+        """One inner step: forward and backward of each micro-batch, clip, AdamW. Returns the training
+        loss (nats/token, the mean over the micro-batches)."""
         start_wall, start = time.time(), time.perf_counter()
         if not self.stats.first_step_start:
             self.stats.first_step_start = start_wall
         if not self._throughput:  # (the first step's start: tokens/s is known after one step)
             self._throughput.append((start_wall, self.stats.tokens))
-        batch = self.next_batch()  # (B, T+1)
-        value = self._optimize(batch)
+        value, tokens = self._optimize()
         self.pace(time.perf_counter() - start)
         elapsed = time.perf_counter() - start
         stats = self.stats
         stats.inner_steps += 1
-        stats.tokens += batch.size(0) * (batch.size(1) - 1)
+        stats.tokens += tokens
         stats.inner_time += elapsed
         stats.last_step_end = start_wall + elapsed
         stats.loss = value
@@ -200,16 +200,24 @@ class Learner:
                      "tokens": stats.tokens, "loss": value})
         return value
 
-    def _optimize(self, batch: torch.Tensor) -> float:
-        """Forward, backward, gradient clip, AdamW and scheduler step on a (B, T+1) batch; the loss."""
-        loss = self._loss(batch)
-        loss.backward()
+    def _optimize(self) -> tuple[float, int]:
+        """One inner step on ``grad_accum_steps`` micro-batches of (B, T+1) tokens each: forward and
+        backward of each (its loss scaled by 1 / grad_accum_steps, so the summed gradient is the
+        mean over all B x grad_accum_steps sequences, the gradient of one batch that large),
+        gradient clip, AdamW and scheduler step. Returns (mean loss in nats/token, tokens trained)."""
+        total, tokens = 0.0, 0
+        for _ in range(self.grad_accum_steps):
+            batch = self.next_batch()  # (B, T+1)
+            loss = self._loss(batch) / self.grad_accum_steps
+            loss.backward()
+            total += float(loss.item())  # the per-step loss is logged; on CUDA this waits for the step
+            tokens += batch.size(0) * (batch.size(1) - 1)
         if self.grad_clip > 0:
             torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.grad_clip)
         self.optimizer.step()
         self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
-        return float(loss.item())  # the per-step loss is logged; on CUDA this waits for the step
+        return total, tokens
 
     def pace(self, compute_seconds: float) -> None:
         """Called after each inner step's compute, inside its timing: nothing here. The lab's

@@ -97,6 +97,32 @@ def test_tokens_per_second_is_known_after_the_first_step():
     assert learner.tokens_per_second() > 0.0 and learner.stats.tokens == 2 * 2 * 8
 
 
+def test_gradient_accumulation_gives_the_update_of_the_larger_batch():
+    """2 micro-batches of 2 sequences, accumulated, make the same AdamW step as one batch of those 4
+    (fp32; the summed gradients differ by rounding only)."""
+    torch.manual_seed(0)
+    batches = [torch.randint(0, 64, (2, 9)) for _ in range(6)]
+
+    def learner(accum, next_batch):
+        model = build_model(SPEC, 64, seed=0)
+        layout = balanced_layout([(n, p.numel()) for n, p in model.named_parameters()], 2)
+        return Learner(model=model, layout=layout, next_batch=next_batch, eval_data=[batches[0]],
+                       device=torch.device("cpu"), inner=InnerConfig(warmup_steps=0, grad_accum_steps=accum))
+
+    small = iter(batches)
+    accumulated = learner(3, lambda: next(small))
+    large = iter([torch.cat(batches[i:i + 3]) for i in (0, 3)])
+    whole = learner(1, lambda: next(large))
+    for _ in range(2):
+        loss_accumulated, loss_whole = accumulated.train_step(), whole.train_step()
+        assert loss_accumulated == pytest.approx(loss_whole, rel=1e-5)
+    assert accumulated.stats.tokens == whole.stats.tokens == 2 * 6 * 8 and accumulated.stats.inner_steps == 2
+    for a, b in zip(accumulated.model.parameters(), whole.model.parameters()):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+    assert any(not torch.equal(a, b) for a, b in zip(accumulated.model.parameters(),
+                                                     build_model(SPEC, 64, seed=0).parameters()))  # it trained
+
+
 def test_updates_wait_for_their_overlap_step_unless_forced():
     learner = _learner()
     learner.train_step()
