@@ -27,7 +27,8 @@ from p2p_diloco.island import joining
 from p2p_diloco.island.contribution import RoundFormat
 from p2p_diloco.island.events import EventLog
 from p2p_diloco.island.learner import Learner
-from p2p_diloco.island.model import build_model, count_parameters, resolve_spec, run_fingerprint
+from p2p_diloco.island.model import (build_model, count_parameters, flops_per_token, peak_flops, resolve_spec,
+                                     run_fingerprint)
 from p2p_diloco.island.peer import Island
 from p2p_diloco.island.quarantine import Quarantine
 from p2p_diloco.island.store import FragmentStore
@@ -136,6 +137,7 @@ class IslandBuilder:
             eval_data=data_lib.eval_batches(corpus.eval, config.eval.batches, batch_size, spec.seq_len),
             inner=config.inner, events=island.events)
         island.device_name = torch.cuda.get_device_name(island.device) if island.device.type == "cuda" else "cpu"
+        island.flops_per_token, island.peak_flops = flops_per_token(island.parameters, spec), peak_flops(island.device_name)
         logger.info("island %s: %s model, %.2fM parameters, %d fragments, device %s, shard %d/%d (%d tokens), "
                     "fingerprint %s", config.island, config.model.preset, island.parameters / 1e6,
                     island.layout.num_fragments, island.device, shard, config.data.num_shards,

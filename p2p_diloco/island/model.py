@@ -43,6 +43,34 @@ PRESETS: dict[str, ModelSpec] = {
 }
 
 
+# dense bf16 tensor-core peaks in FLOP/s, by a substring of torch.cuda.get_device_name (vendors' data
+# sheets; SXM parts): model FLOPs utilization is measured against these
+PEAK_BF16_FLOPS = {"H200": 989e12, "H100": 989e12, "A100": 312e12, "L40S": 362e12, "L4": 121e12, "A10G": 70e12}
+
+
+def flops_per_token(parameters: int, spec: ModelSpec) -> float:
+    """Training FLOPs per token (forward and backward): ``6 N`` for the weights plus ``12 L d T`` for
+    attention's scores and weighted values (PaLM, arXiv 2204.02311, App. B), N the parameter count
+    (tied embeddings once), L layers, d the hidden size, T the sequence length."""
+    return 6.0 * parameters + 12.0 * spec.num_layers * spec.hidden_size * spec.seq_len
+
+
+def peak_flops(device_name: str) -> float | None:
+    """The device's dense bf16 peak in FLOP/s (:data:`PEAK_BF16_FLOPS`), or None (a CPU, an unknown GPU)."""
+    for name, peak in PEAK_BF16_FLOPS.items():
+        if name in device_name:
+            return peak
+    return None
+
+
+def model_flops_utilization(tokens_per_second: float, flops_per_token_: float, peak: float | None) -> float | None:
+    """Achieved model FLOP/s (``tokens_per_second x flops_per_token_``) over the device's peak
+    ``peak`` (FLOP/s), in [0, 1]; None without a peak."""
+    if not peak:
+        return None
+    return min(1.0, max(0.0, tokens_per_second * flops_per_token_ / peak))
+
+
 def resolve_spec(config: ModelConfig) -> ModelSpec:
     """The preset named by ``config.preset`` with every non-empty override applied.
 

@@ -87,6 +87,8 @@ class Island:
     events: EventLog = None
     learner: Learner = None
     device_name: str = "cpu"
+    flops_per_token: float = 0.0  # training FLOPs per token (model.flops_per_token)
+    peak_flops: Optional[float] = None  # the device's bf16 peak, FLOP/s (None: a CPU or an unknown GPU)
     # the syncer's parts that need no network
     store: FragmentStore = None
     sync_stats: SyncerStats = None

@@ -7,6 +7,7 @@ from __future__ import annotations
 import time
 from collections import Counter
 
+from p2p_diloco.island.model import model_flops_utilization
 from p2p_diloco.net.records import IslandProgress, finite_or_none
 
 
@@ -20,6 +21,7 @@ def progress_record(island, state: str) -> IslandProgress:
         island=island.config.island, peer_id=island.peer_id, fingerprint=island.fingerprint,
         device=island.device_name, state=state, maddrs=island.maddrs, inner_step=stats.inner_steps,
         tokens=stats.tokens, tokens_per_second=float(learner.tokens_per_second()),
+        mfu=model_flops_utilization(learner.tokens_per_second(), island.flops_per_token, island.peak_flops),
         loss=finite_or_none(stats.loss_ema), eval_loss=finite_or_none(stats.eval_loss),
         fragment_versions=island.store.versions, fragment_hashes=island.store.hashes,
         rounds_ok=sync.rounds_ok, rounds_failed=sync.rounds_failed, rounds_rejected=sync.rounds_rejected,
@@ -59,6 +61,9 @@ def make_summary(island, stop_reason: str) -> dict:
         "inner_steps": stats.inner_steps,
         "tokens": stats.tokens,
         "tokens_per_second": round(stats.tokens / stats.wall_time, 2) if stats.wall_time else 0.0,
+        "model_flops_per_token": island.flops_per_token,
+        "mfu": model_flops_utilization(stats.tokens / stats.inner_time if stats.inner_time else 0.0,
+                                       island.flops_per_token, island.peak_flops),  # over time in inner steps
         "inner_steps_per_outer_period": round(stats.inner_steps / outer_periods, 2) if outer_periods else None,
         "outer_rounds_ok": sync.rounds_ok,
         "outer_rounds_failed": sync.rounds_failed,

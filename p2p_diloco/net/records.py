@@ -34,6 +34,7 @@ class IslandProgress(BaseModel):
     inner_step: Count
     tokens: Count
     tokens_per_second: confloat(ge=0.0, strict=True)
+    mfu: Optional[confloat(ge=0.0, le=1.0, strict=True)] = None  # model FLOPs utilization (a GPU of known peak)
     loss: Optional[StrictFloat]  # EMA of the training loss
     eval_loss: Optional[StrictFloat]
     fragment_versions: List[Count]

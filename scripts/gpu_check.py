@@ -1,0 +1,160 @@
+#!/usr/bin/env python3
+"""The GPU check (docs/GPU.md): one prepared run on a single CUDA device that writes every figure to
+one JSON file. Run it through ./scripts/gpu_check.sh, which bounds it to 8 minutes.
+
+Parts, each bounded and recorded with its own status (``ok``, ``failed`` or ``not built``):
+
+1. ``step``: one inner step of the tiny model on the same batch in fp32 on the CPU and on CUDA gives
+   the same loss and parameters (rtol 1e-3), and a bf16-autocast step a loss within 2% of fp32's;
+2. ``throughput``: the small preset's inner loop under bf16 autocast, tokens/s and model FLOPs
+   utilization (PaLM's 6N + 12 L d T FLOPs per token over the device's dense bf16 peak);
+3. ``unit_tests``: the unit tests, on this machine;
+4. ``swarm``: a local swarm of 2 islands on the GPU (small preset, bf16) for 3 minutes, from the
+   demo: each island's eval loss falls and its rounds succeed;
+5. ``island_ranks``: a 2-rank island (not built yet: issue 17, item 1).
+
+Exit code 0 when every built part is ok, 1 when one failed, 2 without a CUDA device.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def step_check() -> dict:
+    """fp32 CPU vs fp32 CUDA vs bf16 CUDA on one inner step of the tiny model."""
+    import numpy as np
+    import torch
+
+    from p2p_diloco.algo.fragments import balanced_layout
+    from p2p_diloco.config import InnerConfig
+    from p2p_diloco.island.learner import Learner
+    from p2p_diloco.island.model import PRESETS, build_model
+
+    spec = PRESETS["tiny"]
+    batch = torch.from_numpy(np.random.default_rng(0).integers(0, spec.vocab_size, (8, spec.seq_len + 1)))
+
+    def one_step(device: str, autocast: bool) -> tuple[float, list]:
+        model = build_model(spec, spec.vocab_size, seed=0).to(device)
+        layout = balanced_layout([(n, p.numel()) for n, p in model.named_parameters()], 2)
+        learner = Learner(model=model, layout=layout, next_batch=lambda: batch, eval_data=[batch],
+                          device=torch.device(device), inner=InnerConfig(warmup_steps=0))
+        learner.autocast = autocast
+        loss = learner.train_step()
+        return loss, [p.detach().float().cpu() for p in model.parameters()]
+
+    cpu_loss, cpu_params = one_step("cpu", False)
+    cuda_loss, cuda_params = one_step("cuda", False)
+    bf16_loss, _ = one_step("cuda", True)
+    worst = max(float(((a - b).abs() / (b.abs() + 1e-3)).max()) for a, b in zip(cuda_params, cpu_params))
+    ok = abs(cuda_loss - cpu_loss) <= 1e-3 * abs(cpu_loss) and worst <= 1e-3 and abs(bf16_loss - cpu_loss) <= 0.02 * cpu_loss
+    return {"status": "ok" if ok else "failed", "loss_cpu_fp32": cpu_loss, "loss_cuda_fp32": cuda_loss,
+            "loss_cuda_bf16": bf16_loss, "max_relative_parameter_difference": worst}
+
+
+def throughput(steps: int = 40, warmup: int = 5) -> dict:
+    """tokens/s and MFU of the small preset's inner steps (bf16 autocast), after ``warmup`` steps."""
+    import numpy as np
+    import torch
+
+    from p2p_diloco.algo.fragments import balanced_layout
+    from p2p_diloco.config import InnerConfig
+    from p2p_diloco.island.learner import Learner
+    from p2p_diloco.island.model import (PRESETS, build_model, count_parameters, flops_per_token,
+                                         model_flops_utilization, peak_flops)
+
+    spec = PRESETS["small"]
+    rng = np.random.default_rng(0)
+    model = build_model(spec, spec.vocab_size, seed=0).cuda()
+    layout = balanced_layout([(n, p.numel()) for n, p in model.named_parameters()], 2)
+    learner = Learner(model=model, layout=layout, device=torch.device("cuda"), inner=InnerConfig(warmup_steps=0),
+                      next_batch=lambda: torch.from_numpy(rng.integers(0, spec.vocab_size, (spec.batch_size, spec.seq_len + 1))),
+                      eval_data=[])
+    for _ in range(warmup):
+        learner.train_step()
+    torch.cuda.synchronize()
+    started = time.perf_counter()
+    for _ in range(steps):
+        learner.train_step()
+    torch.cuda.synchronize()
+    seconds = time.perf_counter() - started
+    tokens_per_second = steps * spec.batch_size * spec.seq_len / seconds
+    per_token = flops_per_token(count_parameters(model), spec)
+    name = torch.cuda.get_device_name()
+    return {"status": "ok", "device": name, "preset": "small", "steps": steps, "seconds": round(seconds, 3),
+            "tokens_per_second": round(tokens_per_second, 1), "model_flops_per_token": per_token,
+            "peak_bf16_flops": peak_flops(name),
+            "mfu": model_flops_utilization(tokens_per_second, per_token, peak_flops(name))}
+
+
+def unit_tests(timeout: float) -> dict:
+    started = time.monotonic()
+    done = subprocess.run([sys.executable, "-m", "pytest", "-q", "-x", "tests/unit", "-p", "no:cacheprovider"],
+                          cwd=ROOT, capture_output=True, text=True, timeout=timeout)
+    tail = done.stdout.strip().splitlines()[-1:] or [""]
+    return {"status": "ok" if done.returncode == 0 else "failed", "summary": tail[0],
+            "seconds": round(time.monotonic() - started, 1), "output_tail": done.stdout[-2000:] + done.stderr[-1000:]}
+
+
+def swarm(out: Path, minutes: float, timeout: float) -> dict:
+    """The demo's swarm of 2 islands on the GPU; each island's summary figures."""
+    folder = out / "swarm"
+    done = subprocess.run([sys.executable, str(ROOT / "scripts" / "demo.py"), "--islands", "2", "--minutes", str(minutes),
+                           "--preset", "small", "--device", "cuda", "--period", "20", "--eval-every", "30",
+                           "--dashboard-port", "0", "--out", str(folder)],
+                          cwd=ROOT, capture_output=True, text=True, timeout=timeout)
+    islands = {}
+    for path in sorted(folder.glob("*.summary.json")):
+        summary = json.loads(path.read_text())
+        islands[summary["island"]] = {key: summary.get(key) for key in (
+            "device", "inner_steps", "tokens", "tokens_per_second", "mfu", "eval_loss_first", "eval_loss_last",
+            "outer_rounds_ok", "outer_rounds_failed", "compute_utilization")}
+    ok = (done.returncode == 0 and len(islands) == 2 and all(
+        i["eval_loss_last"] is not None and i["eval_loss_first"] is not None and i["eval_loss_last"] < i["eval_loss_first"]
+        and i["outer_rounds_ok"] > 0 and i["outer_rounds_ok"] >= i["outer_rounds_failed"] for i in islands.values()))
+    return {"status": "ok" if ok else "failed", "minutes": minutes, "islands": islands,
+            "returncode": done.returncode, "output_tail": "" if ok else done.stdout[-2000:] + done.stderr[-2000:]}
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--out", default="runs/gpu-check", help="folder of gpu_check.json and the swarm's files")
+    parser.add_argument("--swarm-minutes", type=float, default=3.0, help="training minutes of the swarm (default: 3)")
+    args = parser.parse_args(argv)
+    import torch
+
+    if not torch.cuda.is_available():
+        print("gpu_check: no CUDA device (torch.cuda.is_available() is False): run this on a machine with a GPU",
+              file=sys.stderr)
+        return 2
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    commit = subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True).stdout.strip()
+    figures = {"date": time.strftime("%Y-%m-%d %H:%M:%S %Z"), "commit": commit or None,
+               "torch": torch.__version__, "device": torch.cuda.get_device_name()}
+    parts = [("step", step_check), ("throughput", throughput), ("unit_tests", lambda: unit_tests(120)),
+             ("swarm", lambda: swarm(out, args.swarm_minutes, 60 * args.swarm_minutes + 150))]
+    for name, part in parts:
+        started = time.monotonic()
+        try:
+            figures[name] = part()
+        except Exception as e:  # a part that breaks is recorded, the others still run
+            figures[name] = {"status": "failed", "error": repr(e)}
+        figures[name]["wall_seconds"] = round(time.monotonic() - started, 1)
+        print(f"gpu_check: {name}: {figures[name]['status']}", flush=True)
+        (out / "gpu_check.json").write_text(json.dumps(figures, indent=2))
+    figures["island_ranks"] = {"status": "not built", "why": "multi-process islands are issue 17, item 1"}
+    (out / "gpu_check.json").write_text(json.dumps(figures, indent=2))
+    print(f"gpu_check: figures in {out / 'gpu_check.json'}")
+    return 1 if any(isinstance(v, dict) and v.get("status") == "failed" for v in figures.values()) else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
