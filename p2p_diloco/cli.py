@@ -129,6 +129,10 @@ def setup_logging(verbose: bool) -> None:
     logging.getLogger("p2p_diloco").setLevel(logging.DEBUG if verbose else logging.INFO)
 
 
+# the roles whose flags make a pydantic configuration (``peer``: main's ``peer_config``)
+ROLE_CONFIGS = {"peer": config_lib.PeerConfig, "bootstrap": config_lib.BootstrapConfig,
+                "status": config_lib.StatusConfig, "dashboard": config_lib.DashboardConfig}
+
 _ISLAND_RAN = False  # set once an island ran in this process (see run())
 
 
@@ -156,6 +160,14 @@ def main(argv: Optional[Sequence[str]] = None, *, peer_config: type = config_lib
         product's; the lab passes one that injects faults)
     """
     args = build_parser(peer_config).parse_args(argv)
+    role_config = None
+    if getattr(args, "lab_command", None) is None and args.command in ROLE_CONFIGS:
+        try:  # before hivemind and torch load (seconds): a bad flag or config file shows at once
+            role_config = build_config(ROLE_CONFIGS[args.command] if args.command != "peer" else peer_config,
+                                       args, args.config if args.command == "peer" else "")
+        except UserError as e:
+            print(f"error: {e}", file=sys.stderr)
+            return e.exit_code
     setup_logging(args.verbose)
     from p2p_diloco.procs import StopSignal, exit_with_parent, install_child_hooks
 
@@ -169,8 +181,8 @@ def main(argv: Optional[Sequence[str]] = None, *, peer_config: type = config_lib
         if getattr(args, "lab_command", None) is not None:
             return args.lab_command.run(args, stop)
         if args.command == "peer":
-            return run_island(build_config(peer_config, args, args.config), stop, builder)
-        run_role(args, stop)
+            return run_island(role_config, stop, builder)
+        run_role(args, stop, role_config)
     except UserError as e:
         print(f"error: {e}", file=sys.stderr)
         return e.exit_code
@@ -179,23 +191,26 @@ def main(argv: Optional[Sequence[str]] = None, *, peer_config: type = config_lib
     return 0
 
 
-def run_role(args: argparse.Namespace, stop) -> None:
-    """``bootstrap``, ``status``, ``dashboard`` or ``fetch-assets``.
+def run_role(args: argparse.Namespace, stop, config=None) -> None:
+    """``bootstrap``, ``status``, ``dashboard`` (``config``: its validated configuration, of the class
+    :data:`ROLE_CONFIGS` names), or ``identity``, ``authority``, ``fetch-assets``.
 
     :raises UserError: bad flags, unreachable peers, a taken port
     """
+    if args.command in ROLE_CONFIGS and config is None:
+        config = build_config(ROLE_CONFIGS[args.command], args)
     if args.command == "bootstrap":
         from p2p_diloco.observe.bootstrap import run_bootstrap
 
-        run_bootstrap(build_config(config_lib.BootstrapConfig, args), stop)
+        run_bootstrap(config, stop)
     elif args.command == "status":
         from p2p_diloco.observe.status import run_status
 
-        run_status(build_config(config_lib.StatusConfig, args), stop)
+        run_status(config, stop)
     elif args.command == "dashboard":
         from p2p_diloco.observe.dashboard import run_dashboard
 
-        run_dashboard(build_config(config_lib.DashboardConfig, args), stop)
+        run_dashboard(config, stop)
     elif args.command in ("identity", "authority"):
         from p2p_diloco import admin
 

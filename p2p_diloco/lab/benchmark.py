@@ -49,8 +49,8 @@ from p2p_diloco.lab.localswarm import LocalSwarm, read_line
 from p2p_diloco.lab.plots import plot_compare
 from p2p_diloco.procs import descendants
 from p2p_diloco import files
+from p2p_diloco.lab.arms import ARMS  # noqa: F401  (re-exported)
 
-ARMS = ("ddp", "hivemind", "torchft", "ours-sync", "ours")
 TOKENS_PER_STEP = 16 * 128  # the tiny preset's batch x sequence length
 
 

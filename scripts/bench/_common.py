@@ -10,9 +10,9 @@ from typing import Callable
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from p2p_diloco.lab.benchmark import Bench  # noqa: E402
+# (light imports only: the lab's modules load torch, hivemind and matplotlib, seconds that a bad flag
+# should not wait for; they load once the flags are checked)
 from p2p_diloco.config import LR_SCHEDULES, InnerConfig  # noqa: E402
-from p2p_diloco.lab.experiment import run_script  # noqa: E402
 
 
 def parser_with_common_flags(doc: str, *, steps: int, arms, period_help: str) -> argparse.ArgumentParser:
@@ -46,8 +46,9 @@ def parser_with_common_flags(doc: str, *, steps: int, arms, period_help: str) ->
     return parser
 
 
-def bench_from_args(parser: argparse.ArgumentParser, args: argparse.Namespace, name: str, **extra) -> Bench:
-    """Check the common flags (exit 2 with a message on bad ones) and build the :class:`Bench`."""
+def bench_from_args(parser: argparse.ArgumentParser, args: argparse.Namespace, name: str, **extra):
+    """Check the common flags (exit 2 with a message on bad ones) and build the
+    :class:`p2p_diloco.lab.benchmark.Bench`."""
     if args.learners < 2:
         parser.error("--learners must be at least 2")
     if args.steps < 4 or args.h < 1 or args.eval_every_steps < 1 or args.eval_batches < 1 or args.shards < 1:
@@ -62,6 +63,8 @@ def bench_from_args(parser: argparse.ArgumentParser, args: argparse.Namespace, n
     if out.exists() and any(out.iterdir()):
         # event logs append and learners resume from checkpoints: an old run's files would mix in
         parser.error(f"--out {out} is not empty: give a new folder (or remove it)")
+    from p2p_diloco.lab.benchmark import Bench
+
     return Bench(out=out, learners=args.learners, steps=args.steps, h=args.h, eval_every_steps=args.eval_every_steps,
                  eval_seconds=args.eval_seconds, eval_batches=args.eval_batches, shards=args.shards,
                  outer_lr=args.outer_lr, outer_momentum=args.outer_momentum, inner_lr=args.inner_lr,
@@ -70,4 +73,6 @@ def bench_from_args(parser: argparse.ArgumentParser, args: argparse.Namespace, n
 
 def run(body: Callable[[], None]) -> int:
     """Run a benchmark: Ctrl+C or SIGTERM exits 130, a failed arm 1 (:func:`p2p_diloco.lab.experiment.run_script`)."""
+    from p2p_diloco.lab.experiment import run_script
+
     return run_script(body)

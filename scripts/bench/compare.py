@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from _common import bench_from_args, parser_with_common_flags, run
 
-from p2p_diloco.lab.benchmark import ARMS, run_bench
+from p2p_diloco.lab.arms import ARMS
 
 
 def main() -> int:
@@ -31,12 +31,14 @@ def main() -> int:
     unknown = [arm for arm in failure_arms if arm not in args.arms]
     if unknown:
         parser.error(f"--failure-arms {' '.join(unknown)}: not in --arms ({' '.join(args.arms)})")
+    bench = bench_from_args(parser, args, "compare", restart_after=args.restart_after)
     if "torchft" in args.arms:
         try:
             import torchft  # noqa: F401
         except ImportError:
             parser.error("the torchft arm needs torchft: pip install -e '.[bench]' (or drop it with --arms)")
-    bench = bench_from_args(parser, args, "compare", restart_after=args.restart_after)
+    from p2p_diloco.lab.benchmark import run_bench
+
     return run(lambda: run_bench(bench, args.arms, failure_arms=failure_arms))
 
 

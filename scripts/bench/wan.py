@@ -14,10 +14,7 @@ from __future__ import annotations
 
 from _common import bench_from_args, parser_with_common_flags, run
 
-from p2p_diloco.lab.benchmark import combine, run_pass
 from p2p_diloco import files
-from p2p_diloco.lab.plots import plot_compare
-from p2p_diloco.lab.experiment import table
 from p2p_diloco.lab.netns import check_available
 
 ARMS = ("ddp", "ours")
@@ -45,6 +42,10 @@ def main() -> int:
 
 def run_wan(bench, arms) -> None:
     """Run each arm's clean pass over the throttled links, then write the table and the plot."""
+    from p2p_diloco.lab.benchmark import combine, run_pass
+    from p2p_diloco.lab.experiment import table
+    from p2p_diloco.lab.plots import plot_compare
+
     bench.out.mkdir(parents=True, exist_ok=True)
     rows = []
     for name in arms:
