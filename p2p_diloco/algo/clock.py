@@ -58,14 +58,18 @@ class ClockEstimate:
 
 
 def estimate_offset(samples: Iterable[ClockSample]) -> Optional[ClockEstimate]:
-    """The median offset over peers, each peer's sample with the shortest round trip; None without samples."""
+    """The median offset over peers, each peer's sample with the shortest round trip, after dropping
+    peers more than :data:`MAX_CLOCK_OFFSET` from the first median (a peer the DHT would refuse, e.g. a
+    newcomer whose clock is far off, for as long as it is in our routing table: of few peers, it would
+    move the median); None without samples."""
     best: dict[str, ClockSample] = {}
     for sample in samples:
         if sample.peer not in best or sample.rtt < best[sample.peer].rtt:
             best[sample.peer] = sample
     if not best:
         return None
-    chosen = list(best.values())
+    middle = statistics.median(s.offset for s in best.values())
+    chosen = [s for s in best.values() if abs(s.offset - middle) <= MAX_CLOCK_OFFSET]
     return ClockEstimate(offset=float(statistics.median(s.offset for s in chosen)), peers=len(chosen),
                          error=max(s.rtt for s in chosen) / 2.0)
 

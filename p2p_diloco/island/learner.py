@@ -66,6 +66,12 @@ class LearnerStats:
     last_step_end: float = 0.0
     inner_time: float = 0.0  # spent inside inner steps
     updates_applied: int = 0
+    tokens_resumed: int = 0  # tokens a checkpoint brought (trained by an earlier process)
+
+    @property
+    def tokens_this_run(self) -> int:
+        """Tokens this process trained (the times above count this process only)."""
+        return self.tokens - self.tokens_resumed
 
     @property
     def wall_time(self) -> float:
@@ -210,14 +216,14 @@ class Learner:
             batch = self.next_batch()  # (B, T+1)
             loss = self._loss(batch) / self.grad_accum_steps
             loss.backward()
-            total += float(loss.item())  # the per-step loss is logged; on CUDA this waits for the step
+            total = total + loss.detach()
             tokens += batch.size(0) * (batch.size(1) - 1)
         if self.grad_clip > 0:
             torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.grad_clip)
         self.optimizer.step()
         self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
-        return total, tokens
+        return float(total), tokens  # the per-step loss is logged; on CUDA this waits for the step
 
     def pace(self, compute_seconds: float) -> None:
         """Called after each inner step's compute, inside its timing: nothing here. The lab's
@@ -313,6 +319,7 @@ class Learner:
             group["lr"] = base * factor(step)  # what LambdaLR sets at this step with this run's settings
         stats = self.stats
         stats.inner_steps, stats.tokens = int(meta["inner_step"]), int(meta["tokens"])
+        stats.tokens_resumed = stats.tokens
         stats.loss_first, stats.loss_ema = meta.get("loss_first"), meta.get("loss_ema")
         stats.eval_loss_first, stats.eval_loss = meta.get("eval_loss_first"), meta.get("eval_loss")
         self.boundary.marks = [tuple(m) for m in meta["marks"]]

@@ -44,8 +44,9 @@ PRESETS: dict[str, ModelSpec] = {
 
 
 # dense bf16 tensor-core peaks in FLOP/s, by a substring of torch.cuda.get_device_name (vendors' data
-# sheets; SXM parts): model FLOPs utilization is measured against these
-PEAK_BF16_FLOPS = {"H200": 989e12, "H100": 989e12, "A100": 312e12, "L40S": 362e12, "L4": 121e12, "A10G": 70e12}
+# sheets), the first that matches: model FLOPs utilization is measured against these
+PEAK_BF16_FLOPS = {"H100 PCIe": 756e12, "H100 NVL": 835e12, "H200": 989e12, "H100": 989e12, "A100": 312e12,
+                   "L40S": 362e12, "L40": 181e12, "L4": 121e12, "A10G": 70e12}
 
 
 def flops_per_token(parameters: int, spec: ModelSpec) -> float:
@@ -56,9 +57,11 @@ def flops_per_token(parameters: int, spec: ModelSpec) -> float:
 
 
 def peak_flops(device_name: str) -> float | None:
-    """The device's dense bf16 peak in FLOP/s (:data:`PEAK_BF16_FLOPS`), or None (a CPU, an unknown GPU)."""
+    """The device's dense bf16 peak in FLOP/s (the first :data:`PEAK_BF16_FLOPS` name that
+    ``device_name`` contains, separated by spaces or dashes), or None (a CPU, an unknown GPU)."""
+    words = f" {device_name.replace('-', ' ')} "
     for name, peak in PEAK_BF16_FLOPS.items():
-        if name in device_name:
+        if f" {name} " in words:
             return peak
     return None
 

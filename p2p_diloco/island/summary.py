@@ -21,7 +21,8 @@ def progress_record(island, state: str) -> IslandProgress:
         island=island.config.island, peer_id=island.peer_id, fingerprint=island.fingerprint,
         device=island.device_name, state=state, maddrs=island.maddrs, inner_step=stats.inner_steps,
         tokens=stats.tokens, tokens_per_second=float(learner.tokens_per_second()),
-        mfu=model_flops_utilization(learner.tokens_per_second(), island.flops_per_token, island.peak_flops),
+        mfu=(model_flops_utilization(learner.tokens_per_second(), island.flops_per_token, island.peak_flops)
+             if learner.tokens_per_second() > 0 else None),
         loss=finite_or_none(stats.loss_ema), eval_loss=finite_or_none(stats.eval_loss),
         fragment_versions=island.store.versions, fragment_hashes=island.store.hashes,
         rounds_ok=sync.rounds_ok, rounds_failed=sync.rounds_failed, rounds_rejected=sync.rounds_rejected,
@@ -60,10 +61,11 @@ def make_summary(island, stop_reason: str) -> dict:
         "wall_seconds": round(stats.wall_time, 3),
         "inner_steps": stats.inner_steps,
         "tokens": stats.tokens,
-        "tokens_per_second": round(stats.tokens / stats.wall_time, 2) if stats.wall_time else 0.0,
+        # this process's tokens over its own time (a resumed island's checkpoint brought the rest)
+        "tokens_per_second": round(stats.tokens_this_run / stats.wall_time, 2) if stats.wall_time else 0.0,
         "model_flops_per_token": island.flops_per_token,
-        "mfu": model_flops_utilization(stats.tokens / stats.inner_time if stats.inner_time else 0.0,
-                                       island.flops_per_token, island.peak_flops),  # over time in inner steps
+        "mfu": model_flops_utilization(stats.tokens_this_run / stats.inner_time, island.flops_per_token,
+                                       island.peak_flops) if stats.inner_time else None,  # over time in inner steps
         "inner_steps_per_outer_period": round(stats.inner_steps / outer_periods, 2) if outer_periods else None,
         "outer_rounds_ok": sync.rounds_ok,
         "outer_rounds_failed": sync.rounds_failed,

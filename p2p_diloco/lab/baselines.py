@@ -40,6 +40,7 @@ import torch
 
 from p2p_diloco.island import data as data_lib
 from p2p_diloco.config import InnerConfig, ModelConfig
+from p2p_diloco.errors import ConfigError
 from p2p_diloco.flags import add_config_arguments, section_from_args
 from p2p_diloco.island.events import EventLog
 from p2p_diloco.algo.fragments import balanced_layout
@@ -117,6 +118,8 @@ def inner_config(args: argparse.Namespace) -> InnerConfig:
     :raises ConfigError: an invalid value
     """
     inner = section_from_args(InnerConfig, args, ("inner",))
+    if inner.grad_accum_steps != 1:  # (the arms' budgets, resumes and all-reduces count one batch a step)
+        raise ConfigError("--inner-grad-accum-steps: the baselines train one micro-batch per step (leave it at 1)")
     if inner.schedule == "cosine" and not inner.decay_steps:
         inner = inner.model_copy(update={"decay_steps": args.steps})
     return inner

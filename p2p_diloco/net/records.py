@@ -164,13 +164,14 @@ def finite_or_none(value):
 
 METRICS = ("inner_step", "tokens", "tokens_per_second", "loss", "eval_loss", "rounds_ok", "rounds_failed",
            "rounds_rejected", "utilization", "goodput", "bytes_sent", "bytes_received", "bytes_per_token",
-           "clock_offset", "client_mode")
+           "clock_offset", "client_mode", "mfu")
 
 
 def island_metrics(record: Mapping) -> dict[str, float]:
     """A record's numeric metrics (``record``: an :class:`IslandProgress` as a dict) under the names
     that the dashboard (``/api/status``), ``/metrics`` (prefixed ``p2p_diloco_island_``), Weights &
-    Biases and TensorBoard all use. Units: tokens, tokens/s, nats (loss), bytes, fractions, seconds (clock offset);
+    Biases and TensorBoard all use. Units: tokens, tokens/s, nats (loss), bytes, fractions (utilization,
+    goodput, mfu), seconds (clock offset);
     ``client_mode`` is 1 for a member that reduces nothing (behind NAT), else 0. Metrics without a finite
     value (no eval yet; a NaN from a faulty peer) are left out."""
     values = {name: record.get(name) for name in METRICS}

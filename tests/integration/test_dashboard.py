@@ -29,6 +29,8 @@ from tests.conftest import ROOT
 from tests.integration.helpers import FAST, cli, wait_for
 from tests.unit.test_dashboard import record
 
+CPU_METRICS = set(METRICS) - {"mfu"}  # model FLOPs utilization: only on a GPU of known peak
+
 pytestmark = pytest.mark.integration
 ISLANDS = ["island-0", "island-1"]
 ARTIFACTS = Path(os.environ.get("P2P_DILOCO_ARTIFACTS", ROOT / "runs" / "test-artifacts"))
@@ -96,7 +98,7 @@ def test_metrics_parse_with_prometheus_clients_parser(swarm):
     families = _metrics(swarm.dashboard_url)
     up = {s.labels["island"]: s.value for s in families["p2p_diloco_island_up"].samples}
     assert all(up[name] == 1.0 for name in ISLANDS)
-    for name in METRICS:
+    for name in CPU_METRICS:
         if name != "eval_loss" or all(i["eval_loss"] is not None for i in status["islands"]):
             assert set(ISLANDS) <= {s.labels["island"] for s in families[f"p2p_diloco_island_{name}"].samples}, name
     assert families["p2p_diloco_swarm_islands_alive"].samples[0].value == sum(up.values()) >= 2
@@ -236,7 +238,7 @@ def test_an_attacker_is_flagged_and_shown_then_killed_departs_and_a_stopped_isla
     after = wait_for(lambda: all(len(evals_after(n)) == 3 or any(e["eval_loss"] < before[n]["eval_loss"]
                                                                  for e in evals_after(n)) for n in ISLANDS)
                      and {n: min(evals_after(n), key=lambda e: e["eval_loss"]) for n in ISLANDS},
-                     timeout=60, message="evals after the flag")
+                     timeout=150, message="evals after the flag")
     attacked = [e for name in ISLANDS for e in _events(swarm, name)
                 if e.get("event") == "round" and "victim" in e.get("members", [])]
     assert attacked and all(e["outcome"] == "ok" for e in attacked), attacked
@@ -277,10 +279,10 @@ def test_an_attacker_is_flagged_and_shown_then_killed_departs_and_a_stopped_isla
     # what it logged: the dashboard's metric names, its last values those of its summary
     rows = _wandb_history(swarm.workdir)
     logged = {key for row in rows for key in row if not key.startswith("_")}
-    assert logged == set(METRICS)  # the dashboard's names, eval loss included
+    assert logged == CPU_METRICS  # the dashboard's names, eval loss included
     assert rows[-1]["tokens"] == summary["tokens"] and rows[-1]["inner_step"] == summary["inner_steps"]
     assert [row["_step"] for row in rows] == sorted(row["_step"] for row in rows)
     events = EventAccumulator(str(swarm.workdir / "tb" / "dash" / "quitter"))
     events.Reload()
-    assert set(events.Tags()["scalars"]) == set(METRICS)
+    assert set(events.Tags()["scalars"]) == CPU_METRICS
     assert events.Scalars("tokens")[-1].value == summary["tokens"]

@@ -18,13 +18,27 @@ def test_each_peer_counts_once_with_its_shortest_exchange_and_the_median_wins():
         ClockSample("a", 10.0, 8.0, 10.0),  # a: 2.0 ahead, exact
         ClockSample("a", 10.0, 9.0, 12.0),  # a again, slow exchange (offset 2.0 too, rtt 2): not chosen
         ClockSample("b", 10.0, 8.1, 10.0),  # b: 1.9
-        ClockSample("liar", 10.0, 1000.0, 10.0),  # one peer with a wild clock cannot move the median
+        ClockSample("liar", 10.0, 1000.0, 10.0),  # a wild clock: it cannot move the median, and is left out
+        ClockSample("c", 10.0, 7.5, 10.0),  # c: 2.5
     ]
     estimate = estimate_offset(samples)
     assert estimate.peers == 3
-    assert estimate.offset == pytest.approx(1.9)
+    assert estimate.offset == pytest.approx(2.0)
     assert estimate.error == pytest.approx(0.0)
     assert estimate_offset([]) is None
+
+
+def test_a_peer_further_than_the_dht_accepts_from_the_median_is_left_out():
+    # 2 s behind two peers and 4 s behind a third; a newcomer 5 s ahead of the swarm (7 s from us)
+    # would make the median of four -3.0
+    samples = [ClockSample(p, 10.0, 10.0 + ahead, 10.0) for p, ahead in
+               (("boot", 2.0), ("island-0", 2.0), ("ahead", 4.0), ("far", 7.0))]
+    estimate = estimate_offset(samples)
+    assert estimate.offset == -2.0 and estimate.peers == 3
+    # the far-off newcomer itself sees everyone 5 s away, consistently: it is not talked out of it
+    far = estimate_offset([ClockSample(p, 10.0, 10.0 - behind, 10.0) for p, behind in
+                           (("boot", 5.0), ("island-0", 5.0), ("ahead", 3.0), ("behind", 7.0))])
+    assert far.offset == 5.0 and far.peers == 4
 
 
 def test_describe_names_the_direction():

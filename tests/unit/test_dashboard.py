@@ -35,9 +35,10 @@ def record(island: str, tokens: int, t: float, *, loss=5.0, eval_loss=None, stat
 
 def test_island_metrics_share_one_set_of_names():
     metrics = island_metrics(record("a", 4096, 100.0).dict())
-    assert set(metrics) == set(METRICS) - {"eval_loss"}  # no eval yet: left out, not logged as 0
+    assert set(metrics) == set(METRICS) - {"eval_loss", "mfu"}  # no eval yet, no GPU: left out, not logged as 0
     assert metrics["bytes_per_token"] == 10.0 and metrics["inner_step"] == 2.0
     assert island_metrics(record("a", 4096, 100.0, eval_loss=4.5).dict())["eval_loss"] == 4.5
+    assert island_metrics(record("a", 4096, 100.0).dict() | {"mfu": 0.41})["mfu"] == 0.41  # a GPU's
     assert "loss" not in island_metrics(record("a", 4096, 100.0, loss=float("nan")).dict())
 
 

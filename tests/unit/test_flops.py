@@ -27,7 +27,9 @@ def test_a_matmul_of_a_linear_layer_matches_six_flops_per_weight():
 
 
 def test_utilization_needs_a_known_peak_and_stays_in_unit_range():
-    assert peak_flops("cpu") is None and peak_flops("NVIDIA H200") == 989e12 and peak_flops("NVIDIA A100-SXM4-80GB")
+    assert peak_flops("cpu") is None and peak_flops("NVIDIA H200") == 989e12
+    assert peak_flops("NVIDIA A100-SXM4-80GB") == 312e12 and peak_flops("NVIDIA H100 PCIe") == 756e12
+    assert peak_flops("NVIDIA L40") == 181e12 and peak_flops("NVIDIA L4") == 121e12 and peak_flops("NVIDIA L40S") == 362e12
     assert model_flops_utilization(1e6, 1e8, None) is None
     assert model_flops_utilization(1e6, 1e8, 989e12) == pytest.approx(1e14 / 989e12)
     assert model_flops_utilization(1e9, 1e9, 1e12) == 1.0 and model_flops_utilization(0.0, 1e9, 1e12) == 0.0

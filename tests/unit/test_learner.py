@@ -98,16 +98,27 @@ def test_tokens_per_second_is_known_after_the_first_step():
 
 
 def test_gradient_accumulation_gives_the_update_of_the_larger_batch():
-    """2 micro-batches of 2 sequences, accumulated, make the same AdamW step as one batch of those 4
-    (fp32; the summed gradients differ by rounding only)."""
+    """3 micro-batches of 2 sequences, accumulated, give the gradient and the AdamW step of one batch
+    of those 6 (fp32; they differ by rounding only). Without the clip, so that a wrong scale of the
+    summed gradient shows (AdamW's first steps hardly depend on it)."""
     torch.manual_seed(0)
     batches = [torch.randint(0, 64, (2, 9)) for _ in range(6)]
 
     def learner(accum, next_batch):
         model = build_model(SPEC, 64, seed=0)
         layout = balanced_layout([(n, p.numel()) for n, p in model.named_parameters()], 2)
-        return Learner(model=model, layout=layout, next_batch=next_batch, eval_data=[batches[0]],
-                       device=torch.device("cpu"), inner=InnerConfig(warmup_steps=0, grad_accum_steps=accum))
+        learner = Learner(model=model, layout=layout, next_batch=next_batch, eval_data=[batches[0]],
+                          device=torch.device("cpu"),
+                          inner=InnerConfig(warmup_steps=0, grad_clip=0.0, grad_accum_steps=accum))
+        learner.grads = []
+        step = learner.optimizer.step
+
+        def step_recording_grads(*args, **kwargs):
+            learner.grads.append([p.grad.clone() for p in model.parameters()])
+            return step(*args, **kwargs)
+
+        learner.optimizer.step = step_recording_grads
+        return learner
 
     small = iter(batches)
     accumulated = learner(3, lambda: next(small))
@@ -117,10 +128,12 @@ def test_gradient_accumulation_gives_the_update_of_the_larger_batch():
         loss_accumulated, loss_whole = accumulated.train_step(), whole.train_step()
         assert loss_accumulated == pytest.approx(loss_whole, rel=1e-5)
     assert accumulated.stats.tokens == whole.stats.tokens == 2 * 6 * 8 and accumulated.stats.inner_steps == 2
+    for grads_accumulated, grads_whole in zip(accumulated.grads, whole.grads, strict=True):
+        for a, b in zip(grads_accumulated, grads_whole):
+            torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-7)
+    assert any(float(g.abs().max()) > 1e-3 for g in whole.grads[0])  # (gradients worth comparing)
     for a, b in zip(accumulated.model.parameters(), whole.model.parameters()):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
-    assert any(not torch.equal(a, b) for a, b in zip(accumulated.model.parameters(),
-                                                     build_model(SPEC, 64, seed=0).parameters()))  # it trained
 
 
 def test_updates_wait_for_their_overlap_step_unless_forced():

@@ -118,7 +118,7 @@ def test_records_expire_on_the_swarms_time_when_our_clock_is_off():
     dht = StoringDHT()
     behind = ProgressBoard(dht, "run", b"key", offset=lambda: -2.0)  # our clock runs 2 s behind the swarm's
     before = get_dht_time()
-    assert behind.publish(_record(), ttl=6.0)
-    assert before + 8.0 <= dht.expirations[-1] <= get_dht_time() + 8.0  # 6 s of the swarm's time
+    assert behind.publish(_record(), ttl=30.0)  # (longer than the board's timeout: withdraw must outlast it)
+    assert before + 32.0 <= dht.expirations[-1] <= get_dht_time() + 32.0  # 30 s of the swarm's time
     assert behind.withdraw() and dht.expirations[-1] > dht.expirations[0]  # the empty record outlasts it
-    assert not behind.publish(_record(), ttl=6.0) and len(dht.expirations) == 2
+    assert not behind.publish(_record(), ttl=30.0) and len(dht.expirations) == 2
