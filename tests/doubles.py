@@ -29,6 +29,7 @@ class ChannelDouble:
         self.buffers = [torch.zeros(shape) for shape in shapes]
         self.result, self.donor, self.block = result, donor, block
         self.gathers, self.bits, self.asked = [], None, []
+        self.serves = True
 
     @contextlib.contextmanager
     def tensors(self):

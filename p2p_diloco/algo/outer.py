@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import hashlib
 import math
-from typing import Iterable, Sequence
+from typing import Iterable, Optional, Sequence
 
 import torch
 
@@ -249,7 +249,7 @@ def all_finite(tensors: Iterable[torch.Tensor]) -> bool:
     return all(bool(torch.isfinite(tensor).all()) for tensor in tensors)
 
 
-def canonical_base(bases: Sequence[tuple[int, str]]) -> tuple[int, str]:
+def canonical_base(bases: Sequence[tuple[int, str]], serving: Optional[Sequence[bool]] = None) -> tuple[int, str]:
     """The base (version, Theta hash) a round's result is applied to.
 
     In a group of 3 or more, only bases that 2 or more members hold count when there are any: one
@@ -259,15 +259,25 @@ def canonical_base(bases: Sequence[tuple[int, str]]) -> tuple[int, str]:
     members whose base differs reload the fragment from a member holding the result (docs/DESIGN.md,
     "Syncer", step 4).
 
-    :raises ValueError: if ``bases`` is empty
+    :param serving: per base, whether its holder serves state (False: a client-mode member, which
+        nobody can dial). A result only clients hold could reach no member that missed it, so when
+        some member serves, only bases that a serving member holds count (docs/DESIGN.md, "Islands
+        behind NAT": clients take their state from full members anyway)
+    :raises ValueError: if ``bases`` is empty, or ``serving`` is not one flag per base
     """
     if not bases:
         raise ValueError("no bases to choose from")
+    if serving is not None and len(serving) != len(bases):
+        raise ValueError(f"{len(serving)} serving flags for {len(bases)} bases")
     counts: dict[tuple[int, str], int] = {}
     for base in bases:
         counts[base] = counts.get(base, 0) + 1
+    served = {base for base, serves in zip(bases, serving or [True] * len(bases)) if serves}
     shared = [base for base, count in counts.items() if count >= 2] if len(bases) >= 3 else []
-    return max(shared or counts, key=lambda base: (base[0], counts[base], _reverse(base[1])))
+    candidates = [base for base in shared if base in served] or shared
+    if served and not any(base in served for base in candidates):
+        candidates = [base for base in counts if base in served]
+    return max(candidates or counts, key=lambda base: (base[0], counts[base], _reverse(base[1])))
 
 
 def vouched(bases: Sequence[tuple[int, str]]) -> list[tuple[int, str]]:

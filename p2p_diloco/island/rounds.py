@@ -96,7 +96,7 @@ class OuterRound:
         with self.channel.tensors() as buffers:
             report = self.wire.write(mine, buffers)
         gather = dict(island=self.island, version=state.version, hash=state.hash, weight=mine.weight,
-                      tokens=mine.tokens, steps=mine.steps, **report)
+                      tokens=mine.tokens, steps=mine.steps, serves=bool(self.channel.serves), **report)
         bits = self.quarantine.group_bits(self.clock.now())
         if bits is not None:  # meet only islands that flagged the same ones
             self.channel.set_group_bits(bits)
@@ -173,7 +173,8 @@ class OuterRound:
         that held the canonical base show its hash (:meth:`_reload_result`); without it, the same
         step on our own base, a fork that the base repair heals later."""
         ours = (state.version, state.hash)
-        canonical = outer.canonical_base([(m["version"], m["hash"]) for m in members])
+        canonical = outer.canonical_base([(m["version"], m["hash"]) for m in members],
+                                         serving=[m.get("serves") is not False for m in members])
         new_version = canonical[0] + 1  # never from a lone claim (docs/SECURITY.md)
         support = sum((m["version"], m["hash"]) == canonical for m in members)
         figures.update(group_size=len(members), members=sorted(m["island"] for m in members),

@@ -72,6 +72,10 @@ class FragmentChannel(Protocol):
     def traffic(self) -> tuple[int, int]:
         """Bytes of round messages sent and received so far."""
 
+    @property
+    def serves(self) -> bool:
+        """Whether others can dial us for parts and state (False for a client-mode member)."""
+
     def refused(self) -> list[str]:
         """Peer ids the channel's gate refused (a private run; empty otherwise)."""
 
@@ -212,6 +216,11 @@ class HivemindChannel:
         return RoundReport(self._shared["grid"].clone() if self.levels else None, int(self._traffic[2]),
                            self._shared["failed_mask"], OutlierBook.read(self._shared["outliers"], self._peers),
                            self._shared["reducers"], list(self._peers))
+
+    @property
+    def serves(self) -> bool:
+        """False for a client-mode averager (behind NAT: nobody can dial it)."""
+        return not self.averager.client_mode
 
     def traffic(self) -> tuple[int, int]:
         sent, received = self._traffic[:2].tolist()

@@ -107,7 +107,7 @@ def test_prometheus_output_parses_with_prometheus_clients_own_parser():
     assert [s.value for s in families["p2p_diloco_island_eval_loss"].samples] == [4.5]  # b has none
     assert families["p2p_diloco_swarm_islands_alive"].samples[0].value == 1.0
     assert families["p2p_diloco_swarm_tokens"].samples[0].value == 8192.0
-    for name in METRICS:
+    for name in set(METRICS) - {"mfu"}:  # (no island here has a GPU: a family without samples is left out)
         assert f"p2p_diloco_island_{name}" in families
 
 

@@ -190,6 +190,15 @@ def test_canonical_base():
     # member claiming a far newer version does not make the others drop theirs
     assert outer.canonical_base([(3, "a"), (1000, "x"), (3, "a")]) == (3, "a")
     assert outer.canonical_base([(3, "a"), (1000, "x")]) == (1000, "x")  # 2 members: no majority
+    # two clients behind NAT that joined at version 2 and a public island that moved on alone: the
+    # clients' shared base would be a result that nobody can download from them; the public one wins
+    assert outer.canonical_base([(2, "c"), (2, "c"), (3, "p")], serving=[False, False, True]) == (3, "p")
+    # ... but a base a serving member shares with them keeps the rule: no lone newer claim wins
+    assert outer.canonical_base([(2, "c"), (2, "c"), (9, "x")], serving=[True, False, True]) == (2, "c")
+    assert outer.canonical_base([(4, "z"), (4, "a")], serving=[True, False]) == (4, "z")  # a pair too
+    assert outer.canonical_base([(4, "z"), (4, "a")], serving=[True, True]) == (4, "a")  # (as without)
+    with pytest.raises(ValueError):
+        outer.canonical_base([(4, "z")], serving=[True, False])
     with pytest.raises(ValueError):
         outer.canonical_base([])
     with pytest.raises(ValueError):
