@@ -129,9 +129,9 @@ def setup_logging(verbose: bool) -> None:
     logging.getLogger("p2p_diloco").setLevel(logging.DEBUG if verbose else logging.INFO)
 
 
-# the roles whose flags make a pydantic configuration (``peer``: main's ``peer_config``)
-ROLE_CONFIGS = {"peer": config_lib.PeerConfig, "bootstrap": config_lib.BootstrapConfig,
-                "status": config_lib.StatusConfig, "dashboard": config_lib.DashboardConfig}
+# the roles besides ``peer`` (main's ``peer_config``) whose flags make a pydantic configuration
+ROLE_CONFIGS = {"bootstrap": config_lib.BootstrapConfig, "status": config_lib.StatusConfig,
+                "dashboard": config_lib.DashboardConfig}
 
 _ISLAND_RAN = False  # set once an island ran in this process (see run())
 
@@ -161,10 +161,12 @@ def main(argv: Optional[Sequence[str]] = None, *, peer_config: type = config_lib
     """
     args = build_parser(peer_config).parse_args(argv)
     role_config = None
-    if getattr(args, "lab_command", None) is None and args.command in ROLE_CONFIGS:
+    if getattr(args, "lab_command", None) is None:
         try:  # before hivemind and torch load (seconds): a bad flag or config file shows at once
-            role_config = build_config(ROLE_CONFIGS[args.command] if args.command != "peer" else peer_config,
-                                       args, args.config if args.command == "peer" else "")
+            if args.command == "peer":
+                role_config = build_config(peer_config, args, args.config)
+            elif args.command in ROLE_CONFIGS:
+                role_config = build_config(ROLE_CONFIGS[args.command], args)
         except UserError as e:
             print(f"error: {e}", file=sys.stderr)
             return e.exit_code
@@ -193,12 +195,10 @@ def main(argv: Optional[Sequence[str]] = None, *, peer_config: type = config_lib
 
 def run_role(args: argparse.Namespace, stop, config=None) -> None:
     """``bootstrap``, ``status``, ``dashboard`` (``config``: its validated configuration, of the class
-    :data:`ROLE_CONFIGS` names), or ``identity``, ``authority``, ``fetch-assets``.
+    :data:`ROLE_CONFIGS` names), or ``identity``, ``authority``, ``fetch-assets`` (no ``config``).
 
     :raises UserError: bad flags, unreachable peers, a taken port
     """
-    if args.command in ROLE_CONFIGS and config is None:
-        config = build_config(ROLE_CONFIGS[args.command], args)
     if args.command == "bootstrap":
         from p2p_diloco.observe.bootstrap import run_bootstrap
 

@@ -29,11 +29,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def step_check() -> dict:
-    """fp32 CPU vs fp32 CUDA vs bf16 CUDA: the tiny model's loss and gradients on one batch (the
-    gradients, not the parameters after an AdamW step: an element whose gradient is near 0 may step
-    either way, by the learning rate)."""
-    import numpy as np
+def _learner(preset: str, device: str, next_batch):
+    """A learner of ``preset``'s model (seed 0, 2 fragments, no warm-up) on ``device``."""
     import torch
 
     from p2p_diloco.algo.fragments import balanced_layout
@@ -41,18 +38,31 @@ def step_check() -> dict:
     from p2p_diloco.island.learner import Learner
     from p2p_diloco.island.model import PRESETS, build_model
 
+    spec = PRESETS[preset]
+    model = build_model(spec, spec.vocab_size, seed=0).to(device)
+    layout = balanced_layout([(n, p.numel()) for n, p in model.named_parameters()], 2)
+    return Learner(model=model, layout=layout, next_batch=next_batch, eval_data=[], device=torch.device(device),
+                   inner=InnerConfig(warmup_steps=0))
+
+
+def step_check() -> dict:
+    """fp32 CPU vs fp32 CUDA vs bf16 CUDA: the tiny model's loss and gradients on one batch (the
+    gradients, not the parameters after an AdamW step: an element whose gradient is near 0 may step
+    either way, by the learning rate)."""
+    import numpy as np
+    import torch
+
+    from p2p_diloco.island.model import PRESETS
+
     spec = PRESETS["tiny"]
     batch = torch.from_numpy(np.random.default_rng(0).integers(0, spec.vocab_size, (8, spec.seq_len + 1)))
 
     def gradients(device: str, autocast: bool) -> tuple[float, list]:
-        model = build_model(spec, spec.vocab_size, seed=0).to(device)
-        layout = balanced_layout([(n, p.numel()) for n, p in model.named_parameters()], 2)
-        learner = Learner(model=model, layout=layout, next_batch=lambda: batch, eval_data=[batch],
-                          device=torch.device(device), inner=InnerConfig(warmup_steps=0))
+        learner = _learner("tiny", device, lambda: batch)
         learner.autocast = autocast
         loss = learner._loss(batch)
         loss.backward()
-        return float(loss.detach()), [p.grad.detach().float().cpu() for p in model.parameters()]
+        return float(loss.detach()), [p.grad.detach().float().cpu() for p in learner.model.parameters()]
 
     cpu_loss, cpu_grads = gradients("cpu", False)
     cuda_loss, cuda_grads = gradients("cuda", False)
@@ -73,19 +83,14 @@ def throughput(steps: int = 40, warmup: int = 5) -> dict:
     import numpy as np
     import torch
 
-    from p2p_diloco.algo.fragments import balanced_layout
-    from p2p_diloco.config import InnerConfig
-    from p2p_diloco.island.learner import Learner
-    from p2p_diloco.island.model import (PRESETS, build_model, count_parameters, flops_per_token,
-                                         model_flops_utilization, peak_flops)
+    from p2p_diloco.island.model import (PRESETS, count_parameters, flops_per_token, model_flops_utilization,
+                                         peak_flops)
 
     spec = PRESETS["small"]
     rng = np.random.default_rng(0)
-    model = build_model(spec, spec.vocab_size, seed=0).cuda()
-    layout = balanced_layout([(n, p.numel()) for n, p in model.named_parameters()], 2)
-    learner = Learner(model=model, layout=layout, device=torch.device("cuda"), inner=InnerConfig(warmup_steps=0),
-                      next_batch=lambda: torch.from_numpy(rng.integers(0, spec.vocab_size, (spec.batch_size, spec.seq_len + 1))),
-                      eval_data=[])
+    learner = _learner("small", "cuda", lambda: torch.from_numpy(
+        rng.integers(0, spec.vocab_size, (spec.batch_size, spec.seq_len + 1))))
+    model = learner.model
     for _ in range(warmup):
         learner.train_step()
     torch.cuda.synchronize()

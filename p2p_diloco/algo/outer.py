@@ -274,10 +274,10 @@ def canonical_base(bases: Sequence[tuple[int, str]], serving: Optional[Sequence[
         counts[base] = counts.get(base, 0) + 1
     served = {base for base, serves in zip(bases, serving or [True] * len(bases)) if serves}
     shared = [base for base, count in counts.items() if count >= 2] if len(bases) >= 3 else []
-    candidates = [base for base in shared if base in served] or shared
-    if served and not any(base in served for base in candidates):
-        candidates = [base for base in counts if base in served]
-    return max(candidates or counts, key=lambda base: (base[0], counts[base], _reverse(base[1])))
+    candidates = shared or list(counts)
+    if served:
+        candidates = [base for base in candidates if base in served] or [base for base in counts if base in served]
+    return max(candidates, key=lambda base: (base[0], counts[base], _reverse(base[1])))
 
 
 def vouched(bases: Sequence[tuple[int, str]]) -> list[tuple[int, str]]:

@@ -144,12 +144,6 @@ class Island:
             self.stop_reason = self._train(others)
         return self.summary
 
-    def _local_ttl(self, ttl: float) -> float:
-        """The lifetime, on our clock, of a record that must live ``ttl`` seconds of the swarm's time
-        (our certificate and revocation list; the progress board corrects its own): an island whose
-        clock is behind stores them for longer (at least 1 s)."""
-        return max(1.0, ttl - self.clock.offset)
-
     # ------------------------------------------------------------------ phases
 
     def _connect(self, teardown) -> list[IslandProgress]:
@@ -178,8 +172,9 @@ class Island:
         self.clock_probe = ClockProbe(self.dht, self.clock)
         self.clock_probe.check_at_start()  # a clock the DHT would refuse ends the start here (exit code 3)
         if self.admission is not None:  # before any donor may look for our certificate
-            self.admission.tick(self.dht, self._local_ttl(config.progress.ttl))
-        self.board = ProgressBoard(self.dht, config.run_id, public_key, offset=lambda: self.clock.offset)
+            self.admission.tick(self.dht, config.progress.ttl, self.clock.now)
+        # (records, certificates and revocation lists expire on the swarm's time: docs/DESIGN.md, "Clocks")
+        self.board = ProgressBoard(self.dht, config.run_id, public_key, now=self.clock.now)
         teardown(lambda: self.dht.is_alive() and self.board.withdraw(), "withdrawing the progress record")
         others = [r for r in self._first_read() if r.island != config.island]
         self._donor_records = self._donors(others)
@@ -232,8 +227,8 @@ class Island:
             show=lambda others, tick: self.status_line.update(status_text(self, others), tick),
             health=self._health, on_failure=self.stop.event.set,
             reconnect=lambda peers: reconnect_peers(self.dht, peers), initial=peers_by_id(self.peers),
-            chores=[self.clock_probe.tick]
-            + ([lambda: self.admission.tick(self.dht, self._local_ttl(config.progress.ttl))] if self.admission else []),
+            chores=[self.clock_probe.tick] + ([lambda: self.admission.tick(self.dht, config.progress.ttl, self.clock.now)]
+                                              if self.admission else []),
             on_records=self._on_records)
         self.reporter.start()
         teardown(self.reporter.stop, "stopping the reporter")

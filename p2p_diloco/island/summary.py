@@ -17,12 +17,12 @@ def progress_record(island, state: str) -> IslandProgress:
     :param state: ``loading``, ``training`` or ``stopping``
     """
     stats, sync, learner = island.learner.stats, island.sync_stats, island.learner
+    speed = learner.tokens_per_second()
     return IslandProgress(
         island=island.config.island, peer_id=island.peer_id, fingerprint=island.fingerprint,
         device=island.device_name, state=state, maddrs=island.maddrs, inner_step=stats.inner_steps,
-        tokens=stats.tokens, tokens_per_second=float(learner.tokens_per_second()),
-        mfu=(model_flops_utilization(learner.tokens_per_second(), island.flops_per_token, island.peak_flops)
-             if learner.tokens_per_second() > 0 else None),
+        tokens=stats.tokens, tokens_per_second=float(speed),
+        mfu=model_flops_utilization(speed, island.flops_per_token, island.peak_flops) if speed > 0 else None,
         loss=finite_or_none(stats.loss_ema), eval_loss=finite_or_none(stats.eval_loss),
         fragment_versions=island.store.versions, fragment_hashes=island.store.hashes,
         rounds_ok=sync.rounds_ok, rounds_failed=sync.rounds_failed, rounds_rejected=sync.rounds_rejected,

@@ -20,7 +20,7 @@ import logging
 import os
 import time
 from functools import partial
-from typing import AsyncIterator, Optional
+from typing import AsyncIterator, Callable, Optional
 
 from hivemind.p2p import P2PContext
 from hivemind.proto import averaging_pb2
@@ -144,19 +144,23 @@ def dht_refusals(dht) -> dict[str, str]:
 
 # ------------------------------------------------------------------------------------ DHT records
 
-def publish_certificate(dht, run_id: str, certificate: Certificate, ttl: float) -> bool:
-    """Store this peer's certificate under :func:`certificates_key` for ``ttl`` seconds."""
+def publish_certificate(dht, run_id: str, certificate: Certificate, ttl: float,
+                        now: Optional[Callable[[], float]] = None) -> bool:
+    """Store this peer's certificate under :func:`certificates_key` for ``ttl`` seconds of ``now``'s
+    time (the swarm's: an island's ``SwarmClock.now``; default hivemind's DHT time)."""
     from hivemind.utils import get_dht_time
 
-    return bool(dht.store(certificates_key(run_id), certificate.to_bytes(), get_dht_time() + ttl,
+    return bool(dht.store(certificates_key(run_id), certificate.to_bytes(), (now or get_dht_time)() + ttl,
                           subkey=certificate.peer_id))
 
 
-def publish_revocations(dht, fingerprint: str, revocations: Revocations, ttl: float) -> bool:
-    """Store the authority's revocation list (anyone admitted may: it is signed) for ``ttl`` seconds."""
+def publish_revocations(dht, fingerprint: str, revocations: Revocations, ttl: float,
+                        now: Optional[Callable[[], float]] = None) -> bool:
+    """Store the authority's revocation list (anyone admitted may: it is signed) for ``ttl`` seconds
+    of ``now``'s time (as :func:`publish_certificate`)."""
     from hivemind.utils import get_dht_time
 
-    return bool(dht.store(revocations_key(fingerprint), revocations.to_bytes(), get_dht_time() + ttl,
+    return bool(dht.store(revocations_key(fingerprint), revocations.to_bytes(), (now or get_dht_time)() + ttl,
                           subkey=f"{revocations.issued:.3f}"))
 
 
@@ -360,23 +364,24 @@ class Admission:
                 self.verifier.apply(Revocations.from_bytes(f.read()))
             self._file_mtime = mtime
 
-    def tick(self, dht, ttl: float) -> None:
+    def tick(self, dht, ttl: float, now: Optional[Callable[[], float]] = None) -> None:
         """Publish this peer's certificate (when it has a run) and the newest revocation list it knows
-        (re-reading ``--revocations`` when the file changed); take newer lists from the DHT and hand
-        them to the DHT process. Errors are logged, never raised."""
+        (re-reading ``--revocations`` when the file changed) for ``ttl`` seconds of ``now``'s time
+        (see :func:`publish_certificate`); take newer lists from the DHT and hand them to the DHT
+        process. Errors are logged, never raised."""
         try:
             self.read_revocations_file()
             read_revocations(dht, self.verifier)
             current = self.verifier.revocations
             if current is not None:
-                publish_revocations(dht, self.verifier.fingerprint, current, ttl)
+                publish_revocations(dht, self.verifier.fingerprint, current, ttl, now)
                 if self._pushed != current.issued:
                     push_revocations(dht, current)
                     self._pushed = current.issued
                     logger.info("revocation list of %s: %d certificate(s) revoked",
                                 time.strftime("%H:%M:%S", time.localtime(current.issued)), len(current.serials))
             if self.run_id:
-                publish_certificate(dht, self.run_id, self.certificate, ttl)
+                publish_certificate(dht, self.run_id, self.certificate, ttl, now)
         except Exception as e:
             logger.warning("admission chores failed: %r", e)
 

@@ -85,15 +85,16 @@ class ProgressBoard:
 
     :param dht: a running ``hivemind.DHT`` created with :func:`make_validators`'s validators
     :param public_key: this process's public key (the subkey of its own record)
-    :param offset: returns the seconds this machine's clock is ahead of the swarm's (an island's
-        measured offset): records expire ``ttl`` seconds after they are published on the swarm's
-        time, so that an island whose clock runs behind does not vanish from the others' view early
+    :param now: the swarm's time, seconds since the epoch (an island's
+        :meth:`~p2p_diloco.algo.clock.SwarmClock.now`; default hivemind's DHT time): records expire
+        ``ttl`` seconds after they are published on it, so that an island whose clock runs behind
+        does not vanish from the others' view early
     """
 
     def __init__(self, dht, run_id: str, public_key: bytes, *, timeout: float = 10.0,
-                 offset: Callable[[], float] = lambda: 0.0):
+                 now: Callable[[], float] = get_dht_time):
         self.dht, self.key, self.public_key, self.timeout = dht, progress_key(run_id), public_key, timeout
-        self.offset = offset
+        self.now = now
         self._lock = threading.Lock()
         self._withdrawn = False
         self._last_expiration = 0.0
@@ -101,17 +102,13 @@ class ProgressBoard:
     def publish(self, record: IslandProgress, ttl: float) -> bool:
         """Store this island's record for ``ttl`` seconds; False if the DHT did not accept it in time
         or the record was withdrawn."""
-        return self._store(record.dict(), self._now() + ttl)
+        return self._store(record.dict(), self.now() + ttl)
 
     def withdraw(self) -> bool:
         """Replace this island's record by an empty one so observers drop it at once; later
         :meth:`publish` calls do nothing."""
         # the DHT keeps the value with the latest expiration: outlast the last record we published
-        return self._store(None, max(self._now() + self.timeout, self._last_expiration + 1.0), final=True)
-
-    def _now(self) -> float:
-        """The swarm's time (seconds since the epoch): hivemind's DHT time less our clock's offset."""
-        return get_dht_time() - self.offset()
+        return self._store(None, max(self.now() + self.timeout, self._last_expiration + 1.0), final=True)
 
     def _store(self, value, expiration_time: float, final: bool = False) -> bool:
         try:

@@ -116,7 +116,7 @@ def test_records_expire_on_the_swarms_time_when_our_clock_is_off():
             return done
 
     dht = StoringDHT()
-    behind = ProgressBoard(dht, "run", b"key", offset=lambda: -2.0)  # our clock runs 2 s behind the swarm's
+    behind = ProgressBoard(dht, "run", b"key", now=lambda: get_dht_time() + 2.0)  # our clock runs 2 s behind the swarm's
     before = get_dht_time()
     assert behind.publish(_record(), ttl=30.0)  # (longer than the board's timeout: withdraw must outlast it)
     assert before + 32.0 <= dht.expirations[-1] <= get_dht_time() + 32.0  # 30 s of the swarm's time
