@@ -23,6 +23,7 @@ EPILOG = """examples:
   p2p-diloco peer --initial-peers /ip4/127.0.0.1/tcp/31337/p2p/12D3KooW... --run-id demo --island island-0
   p2p-diloco status --initial-peers /ip4/127.0.0.1/tcp/31337/p2p/12D3KooW... --run-id demo --watch
   p2p-diloco dashboard --initial-peers /ip4/127.0.0.1/tcp/31337/p2p/12D3KooW... --run-id demo --port 8080
+  p2p-diloco prepare-data --data corpus.jsonl --out corpus.tokens
 """
 
 # name -> (help, description) of the product's subcommands; each takes its configuration's fields as flags
@@ -47,6 +48,10 @@ COMMANDS = {
                   "Run a private run's authority (docs/DEPLOY.md): `init` writes the key pair, `admit` signs a "
                   "peer's certificate, `revoke` adds certificates to the signed revocation list that the run's "
                   "peers publish (effective within one record TTL). Keep authority.key off the swarm's machines."),
+    "prepare-data": ("tokenize a corpus once into memory-mapped token files",
+                     "Tokenize a corpus (text, jsonl, parquet, arrow or a saved datasets folder), streaming it, into "
+                     "a token folder (train.bin, eval.bin, tokenizer.json, meta.json) that islands train on with "
+                     "--data OUT without holding the corpus in memory."),
     "fetch-assets": ("download the dashboard's charting library (uPlot) once",
                      "Download the pinned uPlot release from the npm registry (or read it from --from FILE.tgz on "
                      "a machine without internet), check its SHA-512 and install its files as package data."),
@@ -60,8 +65,7 @@ def build_parser(peer_config: type = config_lib.PeerConfig) -> argparse.Argument
                                      epilog=EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
     lab = lab_commands()
     commands = parser.add_subparsers(dest="command", metavar="{" + ",".join([*COMMANDS, *lab]) + "}", required=True)
-    configs = {"bootstrap": config_lib.BootstrapConfig, "peer": peer_config, "status": config_lib.StatusConfig,
-               "dashboard": config_lib.DashboardConfig}
+    configs = {"peer": peer_config, **ROLE_CONFIGS}
     for name, (help_line, description) in COMMANDS.items():
         sub = commands.add_parser(name, help=help_line, description=description)
         if name == "peer":
@@ -131,7 +135,7 @@ def setup_logging(verbose: bool) -> None:
 
 # the roles besides ``peer`` (main's ``peer_config``) whose flags make a pydantic configuration
 ROLE_CONFIGS = {"bootstrap": config_lib.BootstrapConfig, "status": config_lib.StatusConfig,
-                "dashboard": config_lib.DashboardConfig}
+                "dashboard": config_lib.DashboardConfig, "prepare-data": config_lib.PrepareDataConfig}
 
 _ISLAND_RAN = False  # set once an island ran in this process (see run())
 
@@ -211,6 +215,8 @@ def run_role(args: argparse.Namespace, stop, config=None) -> None:
         from p2p_diloco.observe.dashboard import run_dashboard
 
         run_dashboard(config, stop)
+    elif args.command == "prepare-data":
+        prepare_data(config)
     elif args.command in ("identity", "authority"):
         from p2p_diloco import admin
 
@@ -220,6 +226,38 @@ def run_role(args: argparse.Namespace, stop, config=None) -> None:
 
         written = assets.fetch(args.source)
         print(f"{len(written)} files written to {assets.VENDOR}" if written else f"already in {assets.VENDOR}")
+
+
+def prepare_data(config: config_lib.PrepareDataConfig) -> None:
+    """``prepare-data``: :func:`~p2p_diloco.island.data.prepare_corpus` with a progress bar (on stderr)
+    over the corpus's characters; prints the folder's counts.
+
+    :raises UserError: bad input, an existing or unwritable ``--out``
+    """
+    import time
+    from pathlib import Path
+
+    from rich.console import Console
+    from rich.progress import BarColumn, Progress, TextColumn, TimeRemainingColumn, TransferSpeedColumn
+
+    from p2p_diloco.island import data as data_lib
+
+    source = Path(config.data).expanduser()
+    total = None
+    if config.data and source.is_file():
+        total = source.stat().st_size
+    elif config.data and source.is_dir():
+        total = sum(f.stat().st_size for f in source.rglob("*") if f.suffix in data_lib.TEXT_SUFFIXES and f.is_file())
+    started = time.time()
+    with Progress(TextColumn("tokenizing"), BarColumn(), TransferSpeedColumn(), TimeRemainingColumn(),
+                  transient=True, console=Console(stderr=True)) as bar:
+        task = bar.add_task("tokenize", total=total or None)
+        meta = data_lib.prepare_corpus(config.data, config.out, tokenizer_path=config.tokenizer, model_dir=config.model,
+                                       vocab_size=config.vocab_size, eval_fraction=config.eval_fraction,
+                                       progress=lambda chars: bar.advance(task, chars))
+    print(f"wrote {config.out}: {meta['train_tokens']:,} training and {meta['eval_tokens']:,} held-out tokens "
+          f"({meta['dtype']}) of {meta['num_docs']:,} documents in {time.time() - started:.1f} s; "
+          f"train with --data {config.out}")
 
 
 def run_island(config: config_lib.PeerConfig, stop, builder: Optional[type] = None) -> int:

@@ -47,10 +47,15 @@ class _Section(BaseModel):
 
 
 class ModelConfig(_Section):
-    """The model replica every island trains (a Llama-style causal LM built by transformers)."""
+    """The model replica every island trains (a causal LM built by transformers: a Llama-style preset or your own)."""
 
     preset: Literal["tiny", "small", "base"] = Field(
-        "tiny", description="model size: tiny (~1M params, CPU), small (~24M), base (~150M)"
+        "tiny", description="model size: tiny (~1M params, CPU), small (~24M), base (~150M); with --model, only "
+        "the default sequence length and batch size"
+    )
+    path: str = Field(
+        "", description="a local Hugging Face model folder (config.json; safetensors weights to start from them; "
+        "its tokenizer unless --tokenizer) instead of a preset: any causal LM transformers builds",
     )
     hidden_size: Optional[int] = Field(None, gt=0, description="override the preset's hidden size")
     num_layers: Optional[int] = Field(None, gt=0, description="override the preset's number of layers")
@@ -68,13 +73,17 @@ class DataConfig(_Section):
 
     path: str = Field(
         "",
-        description="a .txt file, a folder of .txt files or a .jsonl file with a 'text' field "
+        description="a token folder (`p2p-diloco prepare-data`'s, or nanoGPT's train.bin/val.bin), a .txt, "
+        ".jsonl, .parquet or .arrow file (a 'text' field), a folder of them, or a datasets folder (save_to_disk) "
         "(default: the embedded Shakespeare corpus)",
     )
     tokenizer: str = Field("", description="a tokenizer.json to use instead of training a byte-level BPE")
     eval_fraction: float = Field(0.05, gt=0.0, lt=0.5, description="held-out tail of each document for eval loss")
     num_shards: int = Field(8, ge=1, description="the training split is cut into this many shards")
     shard_index: int = Field(-1, ge=-1, description="this island's shard (-1: chosen from the island name)")
+    token_dtype: Literal["uint16", "uint32"] = Field(
+        "uint16", description="the token ids' type in a folder of train.bin/val.bin without meta.json (nanoGPT's)"
+    )
 
 
 LR_SCHEDULES = ("constant", "cosine")  # the inner learning rate after warm-up (learner.lr_factor)
@@ -101,6 +110,10 @@ class InnerConfig(_Section):
         "gradient_accumulation_steps)",
     )
     grad_clip: float = Field(1.0, ge=0.0, description="gradient-norm clip (0 disables)")
+    compile: bool = Field(False, description="run the forward and backward through torch.compile (slow to start)")
+    activation_checkpointing: bool = Field(
+        False, description="recompute activations in the backward pass (less memory, about a third more compute)"
+    )
 
 
 class OuterConfig(_Section):
@@ -353,6 +366,19 @@ class BootstrapConfig(_Section):
     @classmethod
     def _check_run_id(cls, value: str) -> str:
         return _check_name(value, "my_run") if value else value
+
+
+class PrepareDataConfig(_Section):
+    """``prepare-data``: tokenize a corpus once into a token folder that islands memory-map."""
+
+    data: str = Field("", description="the corpus: a .txt, .jsonl, .parquet or .arrow file, a folder of them, or a "
+                      "datasets folder (save_to_disk) (default: the embedded Shakespeare corpus)")
+    out: str = Field(..., description="the token folder to write (must not exist; train it with --data OUT)")
+    tokenizer: str = Field("", description="a tokenizer.json to use (default: --model's, else a byte-level BPE "
+                           "trained on the corpus first)")
+    model: str = Field("", description="a Hugging Face model folder whose tokenizer to use")
+    vocab_size: int = Field(8192, ge=260, le=65535, description="vocabulary of the BPE trained when no tokenizer is given")
+    eval_fraction: float = Field(0.05, gt=0.0, lt=0.5, description="held-out tail of each document for eval loss")
 
 
 class _ObserverConfig(_Section):

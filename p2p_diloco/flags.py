@@ -27,6 +27,7 @@ ALIASES: dict[tuple[str, ...], list[str]] = {
     ("data", "path"): ["--data"],
     ("data", "tokenizer"): ["--tokenizer"],
     ("model", "preset"): ["--preset"],
+    ("model", "path"): ["--model"],
 }
 
 

@@ -27,8 +27,8 @@ from p2p_diloco.island import joining
 from p2p_diloco.island.contribution import RoundFormat
 from p2p_diloco.island.events import EventLog
 from p2p_diloco.island.learner import Learner
-from p2p_diloco.island.model import (build_model, count_parameters, flops_per_token, peak_flops, resolve_spec,
-                                     run_fingerprint)
+from p2p_diloco.island.model import (build_model, count_parameters, flops_per_token, model_config_sha, peak_flops,
+                                     resolve_spec, run_fingerprint, weights_hash)
 from p2p_diloco.island.peer import Island
 from p2p_diloco.island.quarantine import Quarantine
 from p2p_diloco.island.store import FragmentStore
@@ -108,8 +108,17 @@ class IslandBuilder:
             spec = resolve_spec(config.model)
         except ValueError as e:
             raise ConfigError(str(e)) from None
-        corpus = data_lib.load_corpus(config.data.path, config.data.tokenizer, spec.vocab_size, config.data.eval_fraction)
-        island.model = build_model(spec, corpus.vocab_size, config.model.seed).to(island.device)
+        model_dir = config.model.path
+        corpus = data_lib.load_corpus(config.data.path, config.data.tokenizer, spec.vocab_size, config.data.eval_fraction,
+                                      model_dir=model_dir, token_dtype=config.data.token_dtype)
+        model = build_model(spec, corpus.vocab_size, config.model.seed, model_dir=model_dir)
+        initial_weights = weights_hash(model)
+        if config.inner.activation_checkpointing:
+            try:
+                model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+            except ValueError as e:
+                raise ConfigError(f"--inner-activation-checkpointing: {e}") from None
+        island.model = model.to(island.device)
         island.parameters = count_parameters(island.model)
         named = dict(island.model.named_parameters())
         try:
@@ -117,7 +126,9 @@ class IslandBuilder:
         except ValueError as e:
             raise ConfigError(f"outer.fragments (--outer-fragments): {e}") from None
         island.shapes = [[named[name].shape for name in names] for names in island.layout.fragments]
-        island.fingerprint = run_fingerprint(spec, corpus.vocab_size, config.model.seed, corpus.tokenizer_sha, config.outer)
+        island.fingerprint = run_fingerprint(spec, corpus.vocab_size, config.model.seed, corpus.tokenizer_sha, config.outer,
+                                             initial_weights=initial_weights,
+                                             model_config=model_config_sha(model_dir) if model_dir else "")
         shard = config.data.shard_index
         if shard < 0:
             shard = data_lib.default_shard_index(config.island, config.data.num_shards)
@@ -139,7 +150,7 @@ class IslandBuilder:
         island.device_name = torch.cuda.get_device_name(island.device) if island.device.type == "cuda" else "cpu"
         island.flops_per_token, island.peak_flops = flops_per_token(island.parameters, spec), peak_flops(island.device_name)
         logger.info("island %s: %s model, %.2fM parameters, %d fragments, device %s, shard %d/%d (%d tokens), "
-                    "fingerprint %s", config.island, config.model.preset, island.parameters / 1e6,
+                    "fingerprint %s", config.island, model_dir or config.model.preset, island.parameters / 1e6,
                     island.layout.num_fragments, island.device, shard, config.data.num_shards,
                     len(island.sampler.tokens), island.fingerprint)
 

@@ -112,5 +112,6 @@ def restore_from_checkpoint(saved: ckpt.IslandCheckpoint, path: Path, *, store: 
     except (ValueError, KeyError) as e:
         raise ConfigError(f"--checkpoint-dir: {path} does not fit this model ({e})") from None
     if saved.meta.get("sampler"):
-        sampler.rng.bit_generator.state = saved.meta["sampler"]
-    events({"event": "resume", "path": str(path), "inner_step": saved.meta["inner_step"], "versions": store.versions})
+        sampler.seek(saved.meta["sampler"])
+    events({"event": "resume", "path": str(path), "inner_step": saved.meta["inner_step"], "versions": store.versions,
+            "batches_drawn": sampler.batches_drawn})

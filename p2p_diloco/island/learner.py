@@ -93,7 +93,8 @@ class Learner:
     :param next_batch: returns a (B, T+1) int64 CPU tensor of token windows
     :param eval_data: fixed held-out (B, T+1) int64 batches
     :param device: where the model lives; on CUDA the forward pass runs under bf16 autocast
-    :param inner: AdamW settings and warm-up
+    :param inner: AdamW settings and warm-up; ``inner.compile`` runs the forward (and so its backward)
+        through ``torch.compile``, the parameters staying those of ``model``
     :param events: callable taking an event dict (the JSONL log)
     """
 
@@ -121,6 +122,7 @@ class Learner:
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lambda step: lr_factor(inner, step))
         self.grad_clip, self.grad_accum_steps = inner.grad_clip, inner.grad_accum_steps
         self.autocast = device.type == "cuda"
+        self.forward = torch.compile(model) if inner.compile else model  # (same parameters, same names)
         self.stats = LearnerStats()
         self.boundary = StepBoundary(self.fragment_params, self.stats, self.optimizer)
         self._step_time_ema = 0.0
@@ -176,7 +178,7 @@ class Learner:
         batch = batch.to(self.device, non_blocking=True)
         inputs, targets = batch[:, :-1], batch[:, 1:]
         with torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self.autocast):
-            logits = self.model(input_ids=inputs).logits  # (B, T, V)
+            logits = self.forward(input_ids=inputs).logits  # (B, T, V)
             return F.cross_entropy(logits.reshape(-1, logits.size(-1)), targets.reshape(-1))
 
     def train_step(self) -> float:

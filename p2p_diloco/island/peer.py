@@ -326,7 +326,7 @@ class Island:
         states = self.store.consistent_states(lambda: self.learner.apply_updates(force=True))
         inner = self.learner.capture()
         fragments = [ckpt.GlobalFragment(s.theta, s.momentum, s.version, s.hash, s.support) for s in states]
-        meta = inner["meta"] | {"sampler": self.sampler.rng.bit_generator.state}
+        meta = inner["meta"] | {"sampler": self.sampler.position()}
         return ckpt.IslandCheckpoint(self.fingerprint, self.config.island, fragments, inner["params"],
                                      inner["optimizer"], inner["scheduler"], meta)
 

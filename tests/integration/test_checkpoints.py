@@ -1,5 +1,6 @@
-"""Checkpoints in real runs: an island resumes where it stopped, and a whole swarm stopped and
-restarted loses no completed outer round."""
+"""Checkpoints in real runs: a whole swarm stopped and restarted loses no completed outer round, and
+each island resumes where it stopped, at the same data position. The islands train the user's own
+model (a GPT-2 folder saved by the test, from its config) on a token folder of `prepare-data`."""
 
 from __future__ import annotations
 
@@ -7,16 +8,23 @@ import pytest
 
 from p2p_diloco.island.checkpoint import list_checkpoints, load_checkpoint
 from p2p_diloco.lab.localswarm import LocalSwarm
-from tests.integration.helpers import FAST, events_of, wait_for
+from tests.integration.helpers import FAST, cli, events_of, wait_for
 
 pytestmark = pytest.mark.integration
 
 
 def test_a_whole_swarm_restarts_from_its_checkpoints_without_losing_a_round(tmp_path):
     names = ["c0", "c1"]
+    from transformers import GPT2Config
+
+    GPT2Config(n_embd=128, n_layer=4, n_head=4, vocab_size=2048, n_positions=128, bos_token_id=0,
+               eos_token_id=0).save_pretrained(tmp_path / "gpt2")
+    prepared = cli("prepare-data", "--out", str(tmp_path / "tokens"), "--vocab-size", "2048")
+    assert prepared.returncode == 0 and "training and" in prepared.stdout, prepared.stderr[-2000:]
+    own = ["--model", str(tmp_path / "gpt2"), "--data", str(tmp_path / "tokens")]
 
     def flags(name, index):
-        return [*FAST, "--data-shard-index", str(index), "--checkpoint-dir", str(tmp_path / name),
+        return [*FAST, *own, "--data-shard-index", str(index), "--checkpoint-dir", str(tmp_path / name),
                 "--checkpoint-every", "5"]
 
     first = LocalSwarm(tmp_path / "first", run_id="ckpt")
@@ -37,7 +45,8 @@ def test_a_whole_swarm_restarts_from_its_checkpoints_without_losing_a_round(tmp_
         newest = load_checkpoint(list_checkpoints(tmp_path / name)[0])
         # the checkpoint written at exit holds the last completed round of every fragment
         assert [f.version for f in newest.fragments] == summary["fragment_versions"]
-        saved[name] = (summary["fragment_versions"], summary["inner_steps"])
+        saved[name] = (summary["fragment_versions"], summary["inner_steps"], newest.meta["sampler"]["batches_drawn"])
+        assert saved[name][2] == newest.meta["inner_step"] > 0  # one batch per inner step
 
     second = LocalSwarm(tmp_path / "second", run_id="ckpt")
     try:
@@ -51,6 +60,7 @@ def test_a_whole_swarm_restarts_from_its_checkpoints_without_losing_a_round(tmp_
     for name in names:
         resume = events_of(second.events_path(name), "resume")
         assert resume and resume[0]["versions"] == saved[name][0] and resume[0]["inner_step"] == saved[name][1]
+        assert resume[0]["batches_drawn"] == saved[name][2]  # the same data position
         rounds = [e for e in events_of(second.events_path(name), "round") if e["outcome"] == "ok"]
         assert rounds, "the restarted islands average again"
         first_round = rounds[0]

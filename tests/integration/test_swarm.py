@@ -16,6 +16,7 @@ import statistics
 import time
 
 import pytest
+import torch
 
 from p2p_diloco.lab.localswarm import LocalSwarm
 from p2p_diloco.procs import descendants, pid_alive
@@ -86,7 +87,14 @@ def test_members_of_a_shared_round_hold_identical_theta(swarm):
 
 
 def test_an_island_of_another_fingerprint_is_refused_and_touches_nothing(swarm, tmp_path):
-    done = cli("peer", "--run-id", swarm.run_id, "--island", "other", *FAST, "--model-num-layers", "2",
+    # the tiny preset's own architecture, saved as a model folder with other initial weights
+    from transformers import LlamaForCausalLM
+
+    from p2p_diloco.island.model import PRESETS, llama_config
+
+    torch.manual_seed(99)
+    LlamaForCausalLM(llama_config(PRESETS["tiny"], 2048)).save_pretrained(tmp_path / "other_model")
+    done = cli("peer", "--run-id", swarm.run_id, "--island", "other", *FAST, "--model", str(tmp_path / "other_model"),
                "--host-maddrs", "/ip4/127.0.0.1/tcp/0", "--initial-peers", *swarm.initial_peers,
                "--log-jsonl", str(tmp_path / "other.events.jsonl"))
     assert_clean_error(done, 4, "fingerprint")
