@@ -70,7 +70,7 @@ def _txt_documents(path: Path) -> Iterator[str]:
     try:
         with open(path, encoding="utf-8", errors="replace") as handle:
             while piece := handle.read(TXT_PIECE):
-                yield piece + handle.readline()
+                yield piece + handle.readline(TXT_PIECE)  # (bounded: a file may have no line ends)
     except PermissionError:
         raise UserError(f"data file {path} is not readable (permission denied)")
     except OSError as e:
@@ -96,8 +96,18 @@ def _jsonl_documents(path: Path) -> Iterator[str]:
 
 
 def _table_documents(batches, path: Path) -> Iterator[str]:
-    """The string column ``text`` of a stream of Arrow record batches."""
-    for batch in batches:
+    """The string column ``text`` of a stream of Arrow record batches.
+
+    :raises UserError: a missing column, or a file that turns out unreadable midway
+    """
+    batches = iter(batches)
+    while True:
+        try:
+            batch = next(batches)
+        except StopIteration:
+            return
+        except Exception as e:  # pyarrow's ArrowInvalid, ArrowIOError...
+            raise UserError(f"--data {path}: cannot be read past some point ({e})") from None
         if "text" not in batch.schema.names:
             raise UserError(f"--data {path}: has no column 'text' (columns: {', '.join(batch.schema.names)})")
         for value in batch.column("text").to_pylist():
@@ -144,8 +154,7 @@ def _dataset_documents(path: Path) -> Iterator[str]:
         dataset = dataset["train"] if "train" in dataset else next(iter(dataset.values()))
     if "text" not in dataset.column_names:
         raise UserError(f"--data {path}: has no column 'text' (columns: {', '.join(dataset.column_names)})")
-    for batch in dataset.select_columns(["text"]).iter(batch_size=1024):
-        yield from (value for value in batch["text"] if isinstance(value, str))
+    yield from _table_documents(dataset.select_columns(["text"]).data.to_batches(max_chunksize=1024), path)
 
 
 def is_dataset_folder(path: Path) -> bool:

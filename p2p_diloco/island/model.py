@@ -21,7 +21,7 @@ from p2p_diloco.algo.outer import tensors_hash
 from p2p_diloco.config import ModelConfig, OuterConfig
 from p2p_diloco.errors import ConfigError, UserError
 
-PROTOCOL_VERSION = 5  # bump when the wire format of rounds or state downloads changes
+PROTOCOL_VERSION = 6  # bump when the wire format of rounds or state downloads, or the fingerprint, changes
 
 
 @dataclass(frozen=True)

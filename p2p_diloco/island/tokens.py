@@ -15,6 +15,7 @@ import hashlib
 import json
 import os
 import shutil
+import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Iterable, Optional
@@ -64,6 +65,8 @@ class TokenFile:
     def read(self, start: int, stop: int) -> np.ndarray:
         """Tokens ``[start, stop)`` of this range as an array of the file's dtype."""
         start, stop = max(0, start), min(len(self), stop)
+        if stop <= start:
+            return np.empty(0, dtype=self.dtype)
         size = self.dtype.itemsize
         raw = os.pread(self._fd, (stop - start) * size, (self.start + start) * size)
         return np.frombuffer(raw, dtype=self.dtype)
@@ -105,7 +108,7 @@ def write_token_folder(docs: Iterable[str], tokenizer, eos_id: int, folder: str 
     """Tokenize ``docs`` into a token folder: each document's first ``1 - eval_fraction`` of tokens go
     to ``train.bin``, its tail to ``eval.bin``, each part followed by ``eos_id``, so held-out text is
     never trained on. Batches of about :data:`BATCH_CHARS` characters are encoded on the tokenizers
-    library's threads and appended to the files; the folder appears (renamed from ``FOLDER.partial-PID``)
+    library's threads and appended to the files; the folder appears (renamed from ``FOLDER.partial-*``)
     only when complete, so an interrupted run leaves no half folder behind.
 
     :param docs: the documents, read once, in order
@@ -117,12 +120,11 @@ def write_token_folder(docs: Iterable[str], tokenizer, eos_id: int, folder: str 
     target = Path(folder).expanduser()
     if target.exists():
         raise UserError(f"{target} already exists: choose another output folder or remove it")
-    partial = target.with_name(f"{target.name}.partial-{os.getpid()}")  # (islands of one machine may race)
-    shutil.rmtree(partial, ignore_errors=True)
-    try:
-        partial.mkdir(parents=True)
+    try:  # a folder of its own (islands sharing a cache may race): renamed into place when complete
+        target.parent.mkdir(parents=True, exist_ok=True)
+        partial = Path(tempfile.mkdtemp(prefix=f"{target.name}.partial-", dir=target.parent))
     except OSError as e:
-        raise UserError(f"cannot create {partial}: {e.strerror or e}") from None
+        raise UserError(f"cannot create a folder beside {target}: {e.strerror or e}") from None
     dtype = token_dtype(tokenizer.get_vocab_size())
     digest, counts = hashlib.sha256(), {"train": 0, "eval": 0, "docs": 0}
     encode = getattr(tokenizer, "encode_batch_fast", tokenizer.encode_batch)  # (fast: without offsets)
@@ -213,9 +215,16 @@ def open_token_folder(folder: str | os.PathLike, *, vocab_size: int, tokenizer_s
         if int(meta.get("vocab_size", 0)) > vocab_size:
             raise UserError(f"--data {folder}: its tokens come from a vocabulary of {meta['vocab_size']}, larger than "
                             f"this run's {vocab_size}: use the folder's tokenizer.json (--tokenizer)")
+        missing = [key for key in ("dtype", "train_tokens", "eval_tokens", "num_docs", "docs_sha") if key not in meta]
+        if missing or meta["dtype"] not in ("uint16", "uint32"):
+            raise UserError(f"--data {folder}: meta.json lacks {', '.join(missing) or 'a uint16/uint32 dtype'}: "
+                            "prepare it again with `p2p-diloco prepare-data`")
         dtype_ = np.dtype(meta["dtype"])
         train, held_out = _memmap(path / "train.bin", dtype_, "the training tokens"), _memmap(
             path / "eval.bin", dtype_, "the held-out tokens")
+        if (len(train), len(held_out)) != (meta["train_tokens"], meta["eval_tokens"]):
+            raise UserError(f"--data {folder}: train.bin/eval.bin hold {len(train)}/{len(held_out)} tokens, meta.json "
+                            f"says {meta['train_tokens']}/{meta['eval_tokens']}: truncated? prepare it again")
         return TokenFolder(train=train, eval=held_out, meta=meta)
     dtype_ = np.dtype(dtype)
     eval_name = "val.bin" if (path / "val.bin").exists() else "eval.bin"

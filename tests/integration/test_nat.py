@@ -100,5 +100,14 @@ def test_islands_behind_two_nat_routers_share_the_public_islands_rounds(tmp_path
                  if len({table[slot][name].get("base_hash") for name in names if name in table[slot]}) == 1]
     assert len(same_base) >= 0.5 * len(ok["public"])
     for slot in same_base:
-        completed = {name: event["new_hash"] for name, event in table[slot].items() if event["outcome"] == "ok"}
-        assert len(set(completed.values())) == 1, (slot, completed)
+        # (a member whose parts partly did not arrive in time keeps its own values there, says so in
+        # `unaveraged` and reloads the canonical Theta after the round: only whole averages must agree)
+        completed = {name: event["new_hash"] for name, event in table[slot].items()
+                     if event["outcome"] == "ok" and not event.get("unaveraged")}
+        assert len(set(completed.values())) <= 1, (slot, completed)
+        partial = [name for name, event in table[slot].items() if event["outcome"] == "ok" and event.get("unaveraged")]
+        later = [key for key in in_order[in_order.index(slot) + 1:] if key[0] == slot[0]]
+        for name in partial:  # ... and starts its next round of the fragment from the whole average
+            following = next((table[key][name] for key in later if name in table[key]), None)
+            assert following is None or not completed or following["base_hash"] in completed.values(), (
+                slot, name, following)

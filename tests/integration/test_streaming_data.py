@@ -33,7 +33,7 @@ def _corpus(path, megabytes: int) -> int:
     rng, words, written = np.random.default_rng(0), np.array([f"word{i:05d}" for i in range(WORDS)]), 0
     with open(path, "w") as handle:
         while handle.tell() < megabytes << 20:
-            lines = words[rng.integers(0, WORDS, size=(500, 2000))]
+            lines = words[rng.integers(0, WORDS, size=(50, 2000))]
             handle.write("".join(json.dumps({"text": " ".join(line)}) + "\n" for line in lines))
             written += lines.size
     return written

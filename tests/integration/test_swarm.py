@@ -87,7 +87,8 @@ def test_members_of_a_shared_round_hold_identical_theta(swarm):
 
 
 def test_an_island_of_another_fingerprint_is_refused_and_touches_nothing(swarm, tmp_path):
-    # the tiny preset's own architecture, saved as a model folder with other initial weights
+    # the tiny preset's own architecture, saved as a model folder with other initial weights (its config's
+    # hash and its weights' both differ from the swarm's; tests/unit/test_models.py separates the two)
     from transformers import LlamaForCausalLM
 
     from p2p_diloco.island.model import PRESETS, llama_config
