@@ -127,7 +127,8 @@ def setup_logging(verbose: bool) -> None:
     for handler in list(root.handlers):
         root.removeHandler(handler)
     handler = logging.StreamHandler(sys.stderr)
-    handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s", "%H:%M:%S"))
+    rank = f"[rank {os.environ['RANK']}] " if "LOCAL_RANK" in os.environ and "RANK" in os.environ else ""
+    handler.setFormatter(logging.Formatter(f"%(asctime)s {rank}%(levelname)s %(name)s: %(message)s", "%H:%M:%S"))
     root.addHandler(handler)
     root.setLevel(logging.INFO)
     logging.getLogger("p2p_diloco").setLevel(logging.DEBUG if verbose else logging.INFO)
@@ -174,11 +175,20 @@ def main(argv: Optional[Sequence[str]] = None, *, peer_config: type = config_lib
         except UserError as e:
             print(f"error: {e}", file=sys.stderr)
             return e.exit_code
+        if args.command == "peer" and role_config.nproc_per_node > 1 and "LOCAL_RANK" not in os.environ:
+            # one island of N ranks: torchrun starts them, each with these flags, and our signals go
+            # to them (docs/DESIGN.md, "Islands of many ranks")
+            from p2p_diloco.island.ranks import torchrun_argv
+            from p2p_diloco.procs import run_launcher
+
+            return run_launcher(torchrun_argv(role_config.nproc_per_node,
+                                              list(argv) if argv is not None else sys.argv[1:],
+                                              role_config.max_restarts))
     setup_logging(args.verbose)
     from p2p_diloco.procs import StopSignal, exit_with_parent, install_child_hooks
 
     install_child_hooks()
-    stop = StopSignal().install()
+    stop = StopSignal(echo_window=2.0 if "LOCAL_RANK" in os.environ else 0.0).install()
     if os.environ.get("P2P_DILOCO_EXIT_WITH_PARENT"):
         exit_with_parent(stop)
     if hasattr(signal, "SIGUSR1"):  # `kill -USR1 <pid>` prints every thread's stack (debugging a hang)

@@ -283,6 +283,19 @@ class PeerConfig(_Section):
     identity_path: str = Field("", description="private key file: a stable peer id across restarts")
     device: Literal["auto", "cpu", "cuda"] = Field("auto", description="auto takes CUDA when present")
     threads: int = Field(0, ge=0, description="torch CPU threads (0: torch's default)")
+    nproc_per_node: int = Field(
+        1, ge=1, le=64, description="ranks of this island on this machine: starts torchrun --standalone "
+        "--nproc-per-node N with the same flags (one island, one learner in the swarm; only rank 0 joins it)",
+    )
+    max_restarts: int = Field(
+        0, ge=0, le=100, description="with --nproc-per-node: times torchrun restarts the island after a rank "
+        "fails (torchrun --max-restarts); a restarted island reloads (its checkpoint, else the swarm's state) "
+        "and rejoins",
+    )
+    island_parallel: Literal["ddp", "fsdp"] = Field(
+        "ddp", description="how an island's ranks share the inner loop: ddp (every rank holds the model) or fsdp "
+        "(FSDP2 shards parameters, gradients and optimizer state; no --checkpoint-dir yet)",
+    )
     max_steps: int = Field(0, ge=0, description="stop after this many inner steps (0: no limit)")
     max_minutes: float = Field(0.0, ge=0.0, description="stop after this many minutes of training (0: no limit)")
     join_timeout: float = Field(60.0, gt=0.0, description="seconds to keep trying to reach peers / download state")

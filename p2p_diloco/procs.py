@@ -16,6 +16,7 @@ import os
 import signal
 import sys
 import threading
+import time
 
 logger = logging.getLogger(__name__)
 
@@ -69,10 +70,14 @@ class StopSignal:
     :meth:`install` again after creating averagers.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, echo_window: float = 0.0) -> None:
         self.event = threading.Event()  # also set by other reasons to stop (a dead helper process)
         self.received: str | None = None
         self.signals = 0
+        # a launcher (torchrun) passes on the terminal's Ctrl+C that its ranks got too: a second
+        # signal this many seconds after the first is that echo, not a request to force
+        self.echo_window = echo_window
+        self._first = 0.0
 
     def install(self) -> "StopSignal":
         """Install the handlers (main thread only); returns self."""
@@ -82,7 +87,11 @@ class StopSignal:
 
     def _handle(self, signum, _frame) -> None:
         name = signal.Signals(signum).name
+        if self.signals == 1 and time.monotonic() - self._first < self.echo_window:
+            logger.debug("%s again within %.0f s: the launcher's echo", name, self.echo_window)
+            return
         self.signals += 1
+        self._first = self._first or time.monotonic()
         if self.signals > 1:
             logger.warning("second %s: exiting now", name)
             os._exit(130)
@@ -105,6 +114,42 @@ def exit_with_parent(stop: StopSignal, interval: float = 1.0) -> None:
                 return
 
     threading.Thread(target=watch, name="parent-watch", daemon=True).start()
+
+
+def run_launcher(command: list[str]) -> int:
+    """Run a launcher that starts worker processes (torchrun) as our child and pass each SIGINT and
+    SIGTERM we get on to its workers alone, so they stop as they would on their own and the launcher
+    then exits as it does when they finish (torchrun, signalled itself, ends with a traceback and
+    code 1). The launcher runs in a session of its own (a terminal's Ctrl+C reaches only us) and is
+    sent SIGTERM by the kernel if we die. Returns its exit code; a second signal reaches the workers
+    as a second signal (they then exit at once).
+    """
+    import subprocess
+
+    import psutil
+
+    libc_prctl = ctypes.CDLL(None, use_errno=True).prctl if sys.platform.startswith("linux") else None
+
+    def die_with_us() -> None:  # runs in the forked child before exec
+        if libc_prctl is not None:
+            libc_prctl(_PR_SET_PDEATHSIG, signal.SIGTERM, 0, 0, 0)
+
+    launcher = subprocess.Popen(command, start_new_session=True, preexec_fn=die_with_us)
+
+    def forward(signum, _frame) -> None:
+        try:
+            workers = psutil.Process(launcher.pid).children()
+        except psutil.Error:
+            return
+        for worker in workers:
+            try:
+                worker.send_signal(signum)
+            except psutil.Error:
+                pass
+
+    signal.signal(signal.SIGINT, forward)
+    signal.signal(signal.SIGTERM, forward)
+    return launcher.wait()
 
 
 def descendants(pid: int) -> list[int]:

@@ -32,10 +32,16 @@ class StepBoundary:
     :param fragment_params: per fragment, the model's live parameters in layout order
     :param stats: the learner's counters (``inner_steps``, ``tokens`` read; ``updates_applied`` written)
     :param optimizer: the inner optimizer (a replacing update may clear its state of the parameters)
+    :param ranks: the island's process group when it has several ranks
+        (:class:`~p2p_diloco.island.ranks.IslandRanks`): the leader's boundary then sends each
+        update to the followers, which land it at the same inner step, and checks that the ranks
+        agree afterwards; FSDP snapshots are gathered by every rank
     """
 
-    def __init__(self, fragment_params: Sequence[Sequence[torch.nn.Parameter]], stats, optimizer: torch.optim.Optimizer):
-        self.fragment_params, self.stats, self.optimizer = fragment_params, stats, optimizer
+    def __init__(self, fragment_params: Sequence[Sequence[torch.nn.Parameter]], stats, optimizer: torch.optim.Optimizer,
+                 ranks=None):
+        self.fragment_params, self.stats, self.optimizer, self.ranks = fragment_params, stats, optimizer, ranks
+        self.events = lambda event: None  # (the learner sets its event log)
         # (tokens, steps) totals at each fragment's last snapshot: what a snapshot reports is the difference
         self.marks = [(0, 0)] * len(fragment_params)
         self._requests: "queue.SimpleQueue[_SnapshotRequest]" = queue.SimpleQueue()
@@ -83,18 +89,35 @@ class StepBoundary:
 
     @torch.no_grad()
     def _apply(self, update: OuterUpdate) -> None:
-        """Land one update on its fragment's live parameters."""
+        """Land one update on its fragment's live parameters (on every rank of the island, the
+        leader sending its tensors: a follower's ``update.tensors`` is None)."""
         params = self.fragment_params[update.fragment]
+        tensors = update.tensors
+        ranks = self.ranks
+        if ranks is not None:
+            if ranks.leader:
+                ranks.command("apply", update.fragment, update.mode, update.alpha, update.reset_optimizer)
+            whole = ranks.broadcast(tensors, [p.shape for p in params])
+            tensors = [ranks.local(p, t) for p, t in zip(params, whole, strict=True)]
         if update.mode == "carry":
-            outer.apply_carry(params, update.tensors)
+            outer.apply_carry(params, tensors)
         elif update.mode == "mix":
-            outer.apply_mix(params, update.tensors, update.alpha)
+            outer.apply_mix(params, tensors, update.alpha)
         else:  # replace
-            for param, theta in zip(params, update.tensors, strict=True):
+            for param, theta in zip(params, tensors, strict=True):
                 param.copy_(theta)
                 if update.reset_optimizer:
                     self.optimizer.state.pop(param, None)  # AdamW starts these moments afresh
         self.stats.updates_applied += 1
+        if ranks is not None:
+            checksum = ranks.agree(params)
+            if ranks.leader:
+                self.events({"event": "ranks_agree", "fragment": update.fragment, "version": update.version,
+                             "ranks": ranks.world, "checksum": checksum, "step": self.stats.inner_steps})
+
+    def apply_received(self, fragment: int, mode: str, alpha: float, reset_optimizer: bool) -> None:
+        """Follower: land the update the leader is sending (its ``apply`` command's arguments)."""
+        self._apply(OuterUpdate(fragment, mode, None, alpha, 0, "leader", reset_optimizer))
 
     @torch.no_grad()
     def answer_snapshots(self) -> None:
@@ -110,11 +133,20 @@ class StepBoundary:
                 if request.cancelled:
                     continue  # the syncer gave up waiting
                 p = request.fragment
-                copies = [param.detach().to("cpu", torch.float32, copy=True) for param in self.fragment_params[p]]
+                copies = self.read(p)
                 tokens, steps = self.stats.tokens, self.stats.inner_steps
                 request.result = Snapshot(p, copies, tokens - self.marks[p][0], steps - self.marks[p][1], steps)
                 self.marks[p] = (tokens, steps)
                 request.done.set()
+
+    def read(self, fragment: int) -> list[torch.Tensor]:
+        """fp32 CPU copies of a fragment's whole parameters (FSDP: the leader asks every rank to gather)."""
+        params = self.fragment_params[fragment]
+        if self.ranks is None:
+            return [param.detach().to("cpu", torch.float32, copy=True) for param in params]
+        if self.ranks.leader and self.ranks.collective_reads:
+            self.ranks.command("read", fragment)
+        return self.ranks.whole(params)
 
     def close(self) -> None:
         """Stop taking snapshot requests and release any that wait."""

@@ -31,6 +31,7 @@ from p2p_diloco.island.model import (build_model, count_parameters, flops_per_to
                                      resolve_spec, run_fingerprint, weights_hash)
 from p2p_diloco.island.peer import Island
 from p2p_diloco.island.quarantine import Quarantine
+from p2p_diloco.island.ranks import start_ranks
 from p2p_diloco.island.store import FragmentStore
 from p2p_diloco.island.syncer import SyncerStats
 from p2p_diloco.island.transfer import StateTransfer
@@ -57,7 +58,8 @@ def run_peer(config: PeerConfig, stop: StopSignal, builder: Optional[type["Islan
     :param builder: the :class:`IslandBuilder` class to assemble it with (the lab passes its own)
     :raises UserError: bad input, unreachable peers, a refused fingerprint, an early interruption
     """
-    return (builder or IslandBuilder)(config, stop).build().run()
+    island = (builder or IslandBuilder)(config, stop).build()
+    return island.run() if island.ranks is None or island.ranks.leader else island.follow()
 
 
 class IslandBuilder:
@@ -80,6 +82,15 @@ class IslandBuilder:
         if config.threads:
             torch.set_num_threads(config.threads)
         device = resolve_device(config.device)
+        ranks = start_ranks(config.island_parallel, device, config.nproc_per_node)
+        if ranks is not None:
+            device = ranks.device
+            if ranks.parallel == "fsdp" and config.checkpoint.dir:
+                ranks.close()
+                raise ConfigError("--checkpoint-dir is not supported with --island-parallel fsdp yet: use ddp, or "
+                                  "run without checkpoints")
+            if not ranks.leader:
+                return self._follower(ranks, device, launched)
         peers = parse_maddrs(config.initial_peers, what="--initial-peers", need_peer_id=True)
         parse_maddrs(config.host_maddrs, what="--host-maddrs", need_peer_id=False)
         parse_maddrs(config.announce_maddrs, what="--announce-maddrs", need_peer_id=False)
@@ -92,7 +103,7 @@ class IslandBuilder:
         admission = load_admission(config.admission, identity_path=identity, run_id=config.run_id, role="island",
                                    where=f"island {config.island}")
         island = Island(config=config, stop=self.stop, builder=self, device=device, peers=peers, identity=identity,
-                        launched=launched, admission=admission)
+                        launched=launched, admission=admission, ranks=ranks)
         self._model_and_data(island)
         self._offline_syncer_parts(island)
         if config.checkpoint.dir:
@@ -102,15 +113,30 @@ class IslandBuilder:
                                                     events=island.events)
         return island
 
+    def _follower(self, ranks, device: torch.device, launched: float) -> Island:
+        """A follower rank of a multi-rank island: its model, data and learner, nothing of the network
+        and no files of its own (docs/DESIGN.md, "Islands of many ranks")."""
+        config = self.config.model_copy(update={
+            "logging": self.config.logging.model_copy(update={"log_jsonl": "", "summary_json": ""}),
+            "checkpoint": self.config.checkpoint.model_copy(update={"dir": ""})})
+        island = Island(config=config, stop=self.stop, builder=self, device=device, peers=[], identity="",
+                        launched=launched, ranks=ranks)
+        self._model_and_data(island)
+        return island
+
     def _model_and_data(self, island: Island) -> None:
-        config = self.config
+        config, ranks = island.config, island.ranks
         try:
             spec = resolve_spec(config.model)
         except ValueError as e:
             raise ConfigError(str(e)) from None
         model_dir = config.model.path
+        if ranks is not None and not ranks.leader:
+            ranks.barrier()  # the leader tokenizes a text corpus into the cache first (one writer)
         corpus = data_lib.load_corpus(config.data.path, config.data.tokenizer, spec.vocab_size, config.data.eval_fraction,
                                       model_dir=model_dir, token_dtype=config.data.token_dtype)
+        if ranks is not None and ranks.leader:
+            ranks.barrier()
         model = build_model(spec, corpus.vocab_size, config.model.seed, model_dir=model_dir)
         initial_weights = weights_hash(model)
         if config.inner.activation_checkpointing:
@@ -136,9 +162,12 @@ class IslandBuilder:
             raise ConfigError(f"data.shard_index (--data-shard-index) {shard} must be below data.num_shards "
                               f"({config.data.num_shards})")
         batch_size = config.inner.batch_size or spec.batch_size
-        island.tokens_per_step, island.shard = batch_size * spec.seq_len * config.inner.grad_accum_steps, shard
+        world = ranks.world if ranks is not None else 1
+        island.tokens_per_step, island.shard = batch_size * spec.seq_len * config.inner.grad_accum_steps * world, shard
+        # each rank its own stream of the island's shard (rank 0's is a one-rank island's)
+        stream = config.island if ranks is None or ranks.leader else f"{config.island}#rank{ranks.rank}"
         island.sampler = data_lib.BatchSampler(corpus.shard(shard, config.data.num_shards), batch_size, spec.seq_len,
-                                               config.model.seed, config.island)
+                                               config.model.seed, stream)
         try:
             island.events = EventLog(config.logging.log_jsonl, config.island)
         except OSError as e:
@@ -146,13 +175,16 @@ class IslandBuilder:
         island.learner = self.learner(
             model=island.model, layout=island.layout, next_batch=island.sampler.next_batch, device=island.device,
             eval_data=data_lib.eval_batches(corpus.eval, config.eval.batches, batch_size, spec.seq_len),
-            inner=config.inner, events=island.events)
+            inner=config.inner, events=island.events, ranks=ranks)
         island.device_name = torch.cuda.get_device_name(island.device) if island.device.type == "cuda" else "cpu"
-        island.flops_per_token, island.peak_flops = flops_per_token(island.parameters, spec), peak_flops(island.device_name)
-        logger.info("island %s: %s model, %.2fM parameters, %d fragments, device %s, shard %d/%d (%d tokens), "
+        peak = peak_flops(island.device_name)
+        island.flops_per_token = flops_per_token(island.parameters, spec)
+        island.peak_flops = peak * world if peak else peak  # (the island's devices together)
+        logger.info("island %s: %s model, %.2fM parameters, %d fragments, device %s%s, shard %d/%d (%d tokens), "
                     "fingerprint %s", config.island, model_dir or config.model.preset, island.parameters / 1e6,
-                    island.layout.num_fragments, island.device, shard, config.data.num_shards,
-                    len(island.sampler.tokens), island.fingerprint)
+                    island.layout.num_fragments, island.device,
+                    f" x {world} ranks ({ranks.parallel}, this is rank {ranks.rank})" if ranks else "", shard,
+                    config.data.num_shards, len(island.sampler.tokens), island.fingerprint)
 
     def _offline_syncer_parts(self, island: Island) -> None:
         outer, layout = self.config.outer, island.layout

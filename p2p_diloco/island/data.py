@@ -453,6 +453,14 @@ class BatchSampler:
         number of batches drawn."""
         return {"rng": self.rng.bit_generator.state, "batches_drawn": self.batches_drawn}
 
+    def skip(self, batches: int) -> None:
+        """Draw ``batches`` batches' window starts without reading them: the position a sampler of
+        this seed reaches after that many batches (a follower rank resuming from the leader's
+        checkpoint, whose saved generator state is the leader's)."""
+        for _ in range(max(0, batches - self.batches_drawn)):
+            self.rng.integers(0, len(self.tokens) - self.seq_len - 1, size=self.batch_size)
+            self.batches_drawn += 1
+
     def seek(self, position: dict) -> None:
         """Continue from a :meth:`position` (or, from older checkpoints, a bare generator state)."""
         if "rng" in position:

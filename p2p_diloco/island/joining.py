@@ -81,7 +81,7 @@ def join_from_peers(donors: list[IslandProgress], *, transfer: StateTransfer, st
             raise Interrupted("interrupted while downloading the global parameters")
         logger.warning("could not download the global parameters; starting from the initial weights "
                        "(the first round's base check reloads them)")
-    store.initialize(learner.fragment_params)
+    store.initialize([learner.read(p) for p in range(store.num_fragments)])
 
 
 def find_checkpoint(directory: str, fingerprint: str) -> tuple[Optional[ckpt.IslandCheckpoint], Optional[Path]]:

@@ -9,6 +9,7 @@ syncer's threads and hivemind's processes.
 from __future__ import annotations
 
 import collections
+import contextlib
 import logging
 import math
 import threading
@@ -96,6 +97,10 @@ class Learner:
     :param inner: AdamW settings and warm-up; ``inner.compile`` runs the forward (and so its backward)
         through ``torch.compile``, the parameters staying those of ``model``
     :param events: callable taking an event dict (the JSONL log)
+    :param ranks: the island's process group when it has several ranks
+        (:class:`~p2p_diloco.island.ranks.IslandRanks`; docs/DESIGN.md, "Islands of many ranks"):
+        ``model`` is wrapped in DDP or sharded by FSDP here, each inner step's tokens are summed and
+        its loss averaged over the ranks, and the leader's learner drives the followers' (:meth:`follow`)
     """
 
     def __init__(
@@ -108,9 +113,11 @@ class Learner:
         device: torch.device,
         inner: InnerConfig,
         events: Callable[[dict], None] = lambda event: None,
+        ranks=None,
     ):
         self.model, self.layout, self.next_batch, self.eval_data = model, layout, next_batch, list(eval_data)
-        self.device, self.events = device, events
+        self.device, self.events, self.ranks = device, events, ranks
+        forward = ranks.wrap(model) if ranks is not None else model  # (FSDP: before the parameters are read)
         named = dict(model.named_parameters())
         self.fragment_params = [[named[name] for name in names] for names in layout.fragments]
         decay = [p for p in model.parameters() if p.dim() >= 2]
@@ -122,9 +129,10 @@ class Learner:
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lambda step: lr_factor(inner, step))
         self.grad_clip, self.grad_accum_steps = inner.grad_clip, inner.grad_accum_steps
         self.autocast = device.type == "cuda"
-        self.forward = torch.compile(model) if inner.compile else model  # (same parameters, same names)
+        self.forward = torch.compile(forward) if inner.compile else forward  # (same parameters, same names)
         self.stats = LearnerStats()
-        self.boundary = StepBoundary(self.fragment_params, self.stats, self.optimizer)
+        self.boundary = StepBoundary(self.fragment_params, self.stats, self.optimizer, ranks)
+        self.boundary.events = events
         self._step_time_ema = 0.0
         self._throughput = collections.deque(maxlen=64)  # (time, tokens)
 
@@ -155,10 +163,22 @@ class Learner:
     # ------------------------------------------------------------ learner thread
 
     @torch.no_grad()
-    def load_global(self, fragment: int, theta: Sequence[torch.Tensor]) -> None:
-        """Set fragment ``fragment``'s parameters to Theta_p (after downloading it from peers)."""
-        for param, value in zip(self.fragment_params[fragment], theta, strict=True):
+    def load_global(self, fragment: int, theta: Optional[Sequence[torch.Tensor]]) -> None:
+        """Set fragment ``fragment``'s parameters to Theta_p (after downloading it from peers; on
+        every rank, the leader sending it: a follower's ``theta`` is None)."""
+        params = self.fragment_params[fragment]
+        if self.ranks is not None:
+            if self.ranks.leader:
+                self.ranks.command("load", fragment)
+            whole = self.ranks.broadcast(theta, [p.shape for p in params])
+            theta = [self.ranks.local(p, t) for p, t in zip(params, whole, strict=True)]
+        for param, value in zip(params, theta, strict=True):
             param.copy_(value.to(param.device))
+
+    def read(self, fragment: int) -> list[torch.Tensor]:
+        """fp32 CPU copies of fragment ``fragment``'s whole parameters (learner thread; an FSDP
+        island's ranks gather them together)."""
+        return self.boundary.read(fragment)
 
     def service(self) -> None:
         """Apply finished rounds, then answer snapshot requests (called between inner steps)."""
@@ -173,12 +193,13 @@ class Learner:
         """Stop taking snapshot requests and release any that wait."""
         self.boundary.close()
 
-    def _loss(self, batch: torch.Tensor) -> torch.Tensor:
-        """Mean next-token cross-entropy (nats/token) of a (B, T+1) batch; fp32 under autocast."""
+    def _loss(self, batch: torch.Tensor, forward: Optional[Callable] = None) -> torch.Tensor:
+        """Mean next-token cross-entropy (nats/token) of a (B, T+1) batch; fp32 under autocast.
+        ``forward``: the module to run (default: the training one, compiled or data-parallel)."""
         batch = batch.to(self.device, non_blocking=True)
         inputs, targets = batch[:, :-1], batch[:, 1:]
         with torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self.autocast):
-            logits = self.forward(input_ids=inputs).logits  # (B, T, V)
+            logits = (forward or self.forward)(input_ids=inputs).logits  # (B, T, V)
             return F.cross_entropy(logits.reshape(-1, logits.size(-1)), targets.reshape(-1))
 
     def train_step(self) -> float:
@@ -189,6 +210,8 @@ class Learner:
             self.stats.first_step_start = start_wall
         if not self._throughput:  # (the first step's start: tokens/s is known after one step)
             self._throughput.append((start_wall, self.stats.tokens))
+        if self.ranks is not None and self.ranks.leader:
+            self.ranks.command("step")
         value, tokens = self._optimize()
         self.pace(time.perf_counter() - start)
         elapsed = time.perf_counter() - start
@@ -214,17 +237,21 @@ class Learner:
         mean over all B x grad_accum_steps sequences, the gradient of one batch that large),
         gradient clip, AdamW and scheduler step. Returns (mean loss in nats/token, tokens trained)."""
         total, tokens = 0.0, 0
-        for _ in range(self.grad_accum_steps):
-            batch = self.next_batch()  # (B, T+1)
-            loss = self._loss(batch) / self.grad_accum_steps
-            loss.backward()
-            total = total + loss.detach()
-            tokens += batch.size(0) * (batch.size(1) - 1)
-        if self.grad_clip > 0:
-            torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.grad_clip)
+        # the ranks' gradient all-reduce (DDP) and gathers (FSDP) run inside backward and the clip
+        with self.ranks.collective("taking an inner step") if self.ranks is not None else contextlib.nullcontext():
+            for _ in range(self.grad_accum_steps):
+                batch = self.next_batch()  # (B, T+1)
+                loss = self._loss(batch) / self.grad_accum_steps
+                loss.backward()
+                total = total + loss.detach()
+                tokens += batch.size(0) * (batch.size(1) - 1)
+            if self.grad_clip > 0:
+                torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.grad_clip)
         self.optimizer.step()
         self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
+        if self.ranks is not None:  # the island's step: every rank's tokens, the ranks' mean loss
+            return self.ranks.totals(total, tokens)
         return float(total), tokens  # the per-step loss is logged; on CUDA this waits for the step
 
     def pace(self, compute_seconds: float) -> None:
@@ -240,9 +267,17 @@ class Learner:
         self.model.eval()
         started = time.time()
         total = 0.0
-        for batch in self.eval_data:
-            total += float(self._loss(batch))
-            self.boundary.answer_snapshots()
+        # an island of ranks: DDP's leader evaluates alone, outside the wrapper; FSDP's ranks together
+        # (and snapshot requests wait for the end: reading a fragment needs the ranks too)
+        collective = self.ranks is not None and self.ranks.collective_reads
+        if collective and self.ranks.leader:
+            self.ranks.command("eval")
+        forward = self.model if self.ranks is not None else None
+        with self.ranks.collective("evaluating") if collective else contextlib.nullcontext():
+            for batch in self.eval_data:
+                total += float(self._loss(batch, forward))
+                if not collective:
+                    self.boundary.answer_snapshots()
         self.model.train(was_training)
         value = total / len(self.eval_data)
         self.stats.eval_loss = value
@@ -307,6 +342,9 @@ class Learner:
         :raises KeyError: if a parameter of the model is missing
         :raises ValueError: if the optimizer state does not fit this model
         """
+        if self.ranks is not None and self.ranks.leader:  # (checkpoints are refused for FSDP islands)
+            self.ranks.command("restore")
+            self.ranks.broadcast_object((params, optimizer, scheduler, meta))
         for name, param in self.model.named_parameters():
             param.copy_(params[name].to(param.device))
         settings = [{key: value for key, value in group.items() if key != "params"} for group in self.optimizer.param_groups]
@@ -325,3 +363,36 @@ class Learner:
         stats.loss_first, stats.loss_ema = meta.get("loss_first"), meta.get("loss_ema")
         stats.eval_loss_first, stats.eval_loss = meta.get("eval_loss_first"), meta.get("eval_loss")
         self.boundary.marks = [tuple(m) for m in meta["marks"]]
+
+    # ------------------------------------------------------------ a follower rank
+
+    def follow(self, on_restore: Callable[[dict], None] = lambda meta: None) -> None:
+        """A follower rank's whole run (docs/DESIGN.md, "Islands of many ranks"): do what the leader
+        commands, in its order, until it says stop: train an inner step, land an update, load global
+        parameters, read a fragment or evaluate with it (FSDP), restore a checkpoint (then
+        ``on_restore(meta)``, for the data position).
+
+        :raises RankLost: when the leader (or another rank) is gone
+        """
+        self.model.train()
+        ranks, boundary = self.ranks, self.boundary
+        while True:
+            kind, *args = ranks.receive()
+            if kind == "step":
+                self.train_step()
+            elif kind == "apply":
+                boundary.apply_received(*args)
+            elif kind == "load":
+                self.load_global(args[0], None)
+            elif kind == "read":
+                boundary.read(args[0])
+            elif kind == "eval":
+                self.evaluate()
+            elif kind == "restore":
+                params, optimizer, scheduler, meta = ranks.broadcast_object(None)
+                self.restore(params, optimizer, scheduler, meta)
+                on_restore(meta)
+            elif kind == "stop":
+                return
+            else:
+                raise ValueError(f"unknown command {kind!r} from the island's leader")

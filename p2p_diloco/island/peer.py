@@ -29,6 +29,7 @@ from p2p_diloco.island.events import EventLog
 from p2p_diloco.island.explog import ExperimentLog
 from p2p_diloco.island.learner import Learner
 from p2p_diloco.island.quarantine import Quarantine
+from p2p_diloco.island.ranks import IslandRanks
 from p2p_diloco.island.reporter import Reporter, StatusLine
 from p2p_diloco.island.store import FragmentStore
 from p2p_diloco.island.summary import make_summary, progress_record, status_text
@@ -75,6 +76,7 @@ class Island:
     identity: str  # the identity key file ("" for a fresh identity)
     launched: float  # wall clock when the island was started (goodput counts from it)
     admission: Optional[Admission] = None  # a private run's credentials (None: an open run)
+    ranks: Optional[IslandRanks] = None  # the process group of an island of several ranks
     # data, model and the inner loop
     model: torch.nn.Module = None
     parameters: int = 0
@@ -119,10 +121,34 @@ class Island:
 
     def run(self) -> Optional[dict]:
         """Join, train until a limit or a signal, shut down; returns the summary (None if the island
-        never trained), also written to ``--summary-json``.
+        never trained), also written to ``--summary-json``. The leader of an island of several ranks
+        releases its followers last, after the final evaluation and checkpoint.
 
         :raises UserError: unreachable peers, a refused fingerprint, an interruption while connecting
+        :raises RankLost: another rank of the island died
         """
+        try:
+            return self._run()
+        finally:
+            if self.ranks is not None:
+                _quietly(self.ranks.release, "releasing the island's other ranks")
+
+    def follow(self) -> None:
+        """A follower rank's run: the leader's commands until it stops (docs/DESIGN.md, "Islands of
+        many ranks"); a resumed checkpoint's data position is this rank's stream after as many batches.
+
+        :raises RankLost: the leader (or another rank) died
+        """
+        def on_restore(meta: dict) -> None:
+            position = meta.get("sampler") or {}
+            self.sampler.skip(int(position.get("batches_drawn", 0)) if isinstance(position, dict) else 0)
+
+        try:
+            self.learner.follow(on_restore)
+        finally:
+            self.ranks.close()
+
+    def _run(self) -> Optional[dict]:
         if self.stop.event.is_set():
             raise Interrupted("interrupted before joining the swarm")
         with contextlib.ExitStack() as stack:

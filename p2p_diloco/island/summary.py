@@ -55,6 +55,8 @@ def make_summary(island, stop_reason: str) -> dict:
         "peer_id": island.peer_id,
         "fingerprint": island.fingerprint,
         "device": str(island.device),
+        "ranks": island.ranks.world if island.ranks is not None else 1,
+        "island_parallel": island.ranks.parallel if island.ranks is not None else None,
         "preset": config.model.preset,
         "parameters": island.parameters,
         "stop_reason": stop_reason,
