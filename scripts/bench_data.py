@@ -13,50 +13,19 @@ from __future__ import annotations
 
 import argparse
 import json
-import subprocess
 import sys
 import time
 from pathlib import Path
 
-WORDS = 70_000
+from p2p_diloco.lab.corpora import peak_rss, word_corpus, word_tokenizer
 
-
-def _tokenizer(path: Path) -> None:
-    from tokenizers import Tokenizer, models, pre_tokenizers
-
-    vocab = {f"word{i:05d}": i for i in range(WORDS)} | {"<|endoftext|>": WORDS, "[UNK]": WORDS + 1}
-    tokenizer = Tokenizer(models.WordLevel(vocab, unk_token="[UNK]"))
-    tokenizer.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    path.write_text(tokenizer.to_str())
-
-
-def _corpus(path: Path, megabytes: int) -> None:
-    import numpy as np
-
-    rng, words = np.random.default_rng(0), np.array([f"word{i:05d}" for i in range(WORDS)])
-    with open(path, "w") as handle:
-        while handle.tell() < megabytes << 20:
-            lines = words[rng.integers(0, WORDS, size=(50, 2000))]
-            handle.write("".join(json.dumps({"text": " ".join(line)}) + "\n" for line in lines))
 
 
 def _prepare(corpus: Path, tokenizer: Path, out: Path) -> dict:
-    import psutil
-
     started = time.perf_counter()
-    popen = subprocess.Popen([sys.executable, "-m", "p2p_diloco", "prepare-data", "--data", str(corpus),
-                              "--tokenizer", str(tokenizer), "--out", str(out)], stdout=subprocess.PIPE,
-                             stderr=subprocess.DEVNULL, text=True)
-    process, peak = psutil.Process(popen.pid), 0
-    while popen.poll() is None:
-        try:
-            peak = max(peak, process.memory_info().rss)
-        except psutil.NoSuchProcess:
-            break
-        time.sleep(0.02)
-    popen.communicate()
-    if popen.returncode:
-        raise SystemExit(f"prepare-data exited {popen.returncode}")
+    done, peak = peak_rss("prepare-data", "--data", str(corpus), "--tokenizer", str(tokenizer), "--out", str(out))
+    if done.returncode:
+        raise SystemExit(f"prepare-data exited {done.returncode}: {done.stderr[-2000:]}")
     seconds = time.perf_counter() - started
     return {"text_mib": corpus.stat().st_size / 2**20, "peak_rss_mib": peak / 2**20, "seconds": seconds,
             "mb_per_second": corpus.stat().st_size / 1e6 / seconds,
@@ -78,10 +47,10 @@ def main() -> int:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     tokenizer = out / "words.json"
-    _tokenizer(tokenizer)
+    word_tokenizer(tokenizer)
     results = {}
     for name, megabytes in (("small", 1), ("big", args.megabytes)):
-        _corpus(out / f"{name}.jsonl", megabytes)
+        word_corpus(out / f"{name}.jsonl", megabytes)
         results[name] = _prepare(out / f"{name}.jsonl", tokenizer, out / f"{name}.tokens")
     corpus = data.load_corpus(str(out / "big.tokens"), "", 0, 0.05)
     sampler = data.BatchSampler(corpus.shard(0, 1), 16, 256, seed=0, island="bench")

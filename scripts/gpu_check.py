@@ -2,7 +2,7 @@
 """The GPU check (docs/GPU.md): one prepared run on a single CUDA device that writes every figure to
 one JSON file. Run it through ./scripts/gpu_check.sh, which bounds it to 8 minutes.
 
-Parts, each bounded and recorded with its own status (``ok``, ``failed`` or ``not built``):
+Parts, each bounded and recorded with its own status (``ok`` or ``failed``):
 
 1. ``step``: the tiny model's loss and gradients on one batch in fp32 on CUDA equal the CPU's
    (within 1e-3, relative), and bf16 autocast's loss is within 2% (gradients within 10%);
@@ -11,9 +11,11 @@ Parts, each bounded and recorded with its own status (``ok``, ``failed`` or ``no
 3. ``unit_tests``: the unit tests, on this machine;
 4. ``swarm``: a local swarm of 2 islands on the GPU (small preset, bf16) for 3 minutes, from the
    demo: each island's eval loss falls and its rounds succeed;
-5. ``island_ranks``: a 2-rank island (not built yet: issue 17, item 1).
+5. ``island_ranks``: a 2-rank DDP island (NCCL on two GPUs, gloo ranks sharing one GPU otherwise) and a
+   one-process island, both on CUDA, for 60 inner steps: both exit 0, their rounds succeed, the
+   ranks agree after every landed update and the island's tokens count both ranks.
 
-Exit code 0 when every built part is ok, 1 when one failed, 2 without a CUDA device.
+Exit code 0 when every part is ok, 1 when one failed, 2 without a CUDA device.
 """
 
 from __future__ import annotations
@@ -143,6 +145,37 @@ def swarm(out: Path, minutes: float, timeout: float) -> dict:
             "returncode": done.returncode, "output_tail": "" if ok else done.stdout[-2000:] + done.stderr[-2000:]}
 
 
+def island_ranks(out: Path, timeout: float, device: str = "cuda") -> dict:
+    """An island of 2 DDP ranks and a one-process island on ``device`` (tiny preset, 60 inner steps,
+    a round every 5 s): their summaries and the ranks' agreement events."""
+    from p2p_diloco.lab.localswarm import LocalSwarm
+
+    flags = ["--preset", "tiny", "--device", device, "--max-steps", "60", "--outer-fragments", "1",
+             "--outer-period", "5", "--outer-matchmaking-time", "1.5", "--outer-grace-window", "0.5",
+             "--outer-allreduce-timeout", "1.5", "--outer-request-timeout", "0.5", "--progress-period", "1",
+             "--eval-every", "20"]
+    swarm = LocalSwarm(out / "ranks", run_id="gpu-ranks")
+    try:
+        swarm.start_bootstrap()
+        swarm.start_island("ranks", *flags, "--nproc-per-node", "2", "--data-shard-index", "0")
+        swarm.start_island("solo", *flags, "--data-shard-index", "1")
+        codes = swarm.wait_islands(timeout)
+    finally:
+        swarm.close()
+    islands = {name: swarm.summary(name) or {} for name in ("ranks", "solo")}
+    agreed = [json.loads(line) for line in swarm.events_path("ranks").read_text().splitlines()
+              if '"ranks_agree"' in line] if swarm.events_path("ranks").exists() else []
+    ranks, solo = islands["ranks"], islands["solo"]
+    ok = (codes == {"ranks": 0, "solo": 0} and ranks.get("ranks") == 2 and (ranks.get("outer_rounds_ok") or 0) > 0
+          and len(agreed) >= ranks["outer_rounds_ok"] - 1 and solo.get("inner_steps")
+          and ranks["tokens"] == 2 * ranks["inner_steps"] * solo["tokens"] // solo["inner_steps"])
+    keep = ("device", "ranks", "inner_steps", "tokens", "tokens_per_second", "mfu", "eval_loss_first",
+            "eval_loss_last", "outer_rounds_ok", "outer_rounds_failed")
+    return {"status": "ok" if ok else "failed", "codes": codes, "ranks_agree": len(agreed),
+            "islands": {name: {key: summary.get(key) for key in keep} for name, summary in islands.items()},
+            "log_tail": "" if ok else (out / "ranks" / "ranks.log").read_text()[-3000:]}
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", default="runs/gpu-check", help="folder of gpu_check.json and the swarm's files")
@@ -168,6 +201,7 @@ def main(argv=None) -> int:
         return max(10.0, min(most, deadline - time.monotonic() - 10.0))
 
     parts = [("step", step_check), ("throughput", throughput), ("unit_tests", lambda: unit_tests(left(120))),
+             ("island_ranks", lambda: island_ranks(out, left(100))),
              ("swarm", lambda: swarm(out, min(args.swarm_minutes, (left(1e9) - 90) / 60),
                                      left(60 * args.swarm_minutes + 150)))]
     for name, part in parts:
@@ -179,8 +213,6 @@ def main(argv=None) -> int:
         figures[name]["wall_seconds"] = round(time.monotonic() - started, 1)
         print(f"gpu_check: {name}: {figures[name]['status']}", flush=True)
         (out / "gpu_check.json").write_text(json.dumps(figures, indent=2))
-    figures["island_ranks"] = {"status": "not built", "why": "multi-process islands are issue 17, item 1"}
-    (out / "gpu_check.json").write_text(json.dumps(figures, indent=2))
     print(f"gpu_check: figures in {out / 'gpu_check.json'}")
     return 1 if any(isinstance(v, dict) and v.get("status") == "failed" for v in figures.values()) else 0
 

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The GPU check (docs/GPU.md): unit tests, a CPU-vs-CUDA step, the small preset's tokens/s and MFU,
-# and a 2-island swarm on the GPU for 3 minutes, bounded to 8 minutes; figures in one JSON file.
+# an island of 2 ranks, and a 2-island swarm on the GPU for 3 minutes, bounded to 8 minutes; figures in one JSON file.
 # Usage: scripts/gpu_check.sh [OUT_FOLDER]   (default runs/gpu-check; writes OUT_FOLDER/gpu_check.json)
 # It uses the python3 that holds a CUDA build of torch (PYTHON=... to choose another). A machine that
 # cannot reach a package registry takes the project's other dependencies as wheels in .whl/

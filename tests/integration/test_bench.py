@@ -48,27 +48,22 @@ def _run(script: str, out, *args: str, timeout: float) -> subprocess.CompletedPr
     return result
 
 
-# every arm's clean pass, and the failure pass of DDP (torchrun restarts every worker from its
-# checkpoint) and ours (a restarted island rejoins), in one run; the failure pass of hivemind.Optimizer
-# and torchft, and ours-sync, are left to the full runs (docs/BENCHMARKS.md)
+# every arm's clean pass; the failure passes (a learner SIGKILLed halfway, and restarted where the arm
+# can) are left to the full runs (docs/BENCHMARKS.md): their figures are unit-tested
+# (tests/unit/test_benchmark.py) and ours's downtime and stalls under kills are the chaos test's
 ARMS = ["ddp", "hivemind", "torchft", "ours"]
-FAILURE_ARMS = ["ddp", "ours"]
 
 
-@pytest.mark.timeout(800)
+@pytest.mark.timeout(600)
 def test_compare_writes_every_arm_with_finite_figures(tmp_path):
-    result = _run("compare.py", tmp_path, "--restart-after", "2", "--arms", *ARMS, "--failure-arms", *FAILURE_ARMS,
-                  timeout=780)
+    result = _run("compare.py", tmp_path, "--arms", *ARMS, "--no-failure", timeout=580)
     rows = json.loads((tmp_path / "results.json").read_text())["table"]
     assert [row["arm"] for row in rows] == ARMS
     for row in rows:
         _finite(row, ["eval_loss", "eval_loss_mean_model", "wall_seconds", "tokens_per_second", "utilization",
                       "bytes_per_token"])
-        if row["arm"] in FAILURE_ARMS:
-            _finite(row, ["stall_per_failure", "global_downtime_seconds_failure", "eval_loss_failure"])
-        else:
-            assert "eval_loss_failure" not in row
-        assert row["tokens"] >= 2 * 12 * 2048  # the whole budget (DDP redoes steps after a restart)
+        assert "eval_loss_failure" not in row
+        assert row["tokens"] >= 2 * 12 * 2048  # the whole budget
         assert 0 < row["utilization"] <= 1.0
         assert len(row["curve"]) >= 2
     ddp = rows[0]
@@ -82,12 +77,7 @@ def test_compare_writes_every_arm_with_finite_figures(tmp_path):
     assert all(f"| {arm} |" in table for arm in ARMS)
     assert (tmp_path / "compare.png").stat().st_size > 10_000 and "plot:" in result.stdout
     assert not _left_running(tmp_path)  # every learner, torchrun worker, DHT and lighthouse has ended
-    # the failure pass really killed a learner and (where the arm can) restarted it
-    failure = {r["arm"]: r for r in json.loads((tmp_path / "results.json").read_text())["failure"]}
-    assert list(failure) == FAILURE_ARMS
-    for arm, row in failure.items():
-        kinds = [f["kind"] for f in row["faults"]]
-        assert kinds == (["kill"] if arm == "ddp" else ["kill", "restart"]), (arm, kinds)
+    assert json.loads((tmp_path / "results.json").read_text())["failure"] == []
 
 
 @pytest.mark.timeout(300)

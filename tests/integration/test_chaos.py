@@ -1,5 +1,5 @@
-"""A reduced chaos schedule on the tiny preset: kill and restart, a faulty island, freeze, bootstrap
-death, and a donor killed while a restarted island downloads the global state from it."""
+"""A reduced chaos schedule on the tiny preset: a faulty island, bootstrap death, a freeze, and a
+kill and restart whose donor is killed while the restarted island downloads the global state from it."""
 
 from __future__ import annotations
 

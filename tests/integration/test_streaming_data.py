@@ -5,60 +5,26 @@ a token folder, and neither preparing it nor drawing batches from it holds the c
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
-import time
 
-import numpy as np
 import psutil
 import pytest
 
 from p2p_diloco.island import data
+from p2p_diloco.lab.corpora import WORDS, peak_rss, word_corpus, word_tokenizer
 
 pytestmark = pytest.mark.integration
-WORDS = 70_000  # a vocabulary past 65,536: the ids are stored as uint32
-
-
-def _word_level_tokenizer(path):
-    from tokenizers import Tokenizer, models, pre_tokenizers
-
-    vocab = {f"word{i:05d}": i for i in range(WORDS)} | {data.EOS_TOKEN: WORDS, "[UNK]": WORDS + 1}
-    tokenizer = Tokenizer(models.WordLevel(vocab, unk_token="[UNK]"))
-    tokenizer.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    path.write_text(tokenizer.to_str())
-
-
-def _corpus(path, megabytes: int) -> int:
-    """A .jsonl file of about ``megabytes`` MB of random words, 2,000 a line; returns its words."""
-    rng, words, written = np.random.default_rng(0), np.array([f"word{i:05d}" for i in range(WORDS)]), 0
-    with open(path, "w") as handle:
-        while handle.tell() < megabytes << 20:
-            lines = words[rng.integers(0, WORDS, size=(50, 2000))]
-            handle.write("".join(json.dumps({"text": " ".join(line)}) + "\n" for line in lines))
-            written += lines.size
-    return written
 
 
 def _peak_rss(*args: str) -> int:
-    """Run ``p2p-diloco ARGS`` and return its peak resident memory in bytes (sampled every 20 ms)."""
-    popen = subprocess.Popen([sys.executable, "-m", "p2p_diloco", *args], stdout=subprocess.PIPE,
-                             stderr=subprocess.PIPE, text=True)
-    process, peak = psutil.Process(popen.pid), 0
-    while popen.poll() is None:
-        try:
-            peak = max(peak, process.memory_info().rss)
-        except psutil.NoSuchProcess:
-            break
-        time.sleep(0.02)
-    out, err = popen.communicate()
-    assert popen.returncode == 0, err[-2000:]
+    done, peak = peak_rss(*args)
+    assert done.returncode == 0, done.stderr[-2000:]
     return peak
 
 
 def test_a_corpus_larger_than_the_memory_bound_is_prepared_and_sampled_in_bounded_memory(tmp_path):
     tokenizer = tmp_path / "words.json"
-    _word_level_tokenizer(tokenizer)
-    small_words, big_words = _corpus(tmp_path / "small.jsonl", 1), _corpus(tmp_path / "big.jsonl", 160)
+    word_tokenizer(tokenizer)
+    small_words, big_words = word_corpus(tmp_path / "small.jsonl", 1), word_corpus(tmp_path / "big.jsonl", 160)
     big_bytes = (tmp_path / "big.jsonl").stat().st_size
     small = _peak_rss("prepare-data", "--data", str(tmp_path / "small.jsonl"), "--tokenizer", str(tokenizer),
                       "--out", str(tmp_path / "small.tokens"))
