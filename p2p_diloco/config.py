@@ -337,6 +337,9 @@ class PeerConfig(_Section):
             raise ValueError("outer.request_timeout must be smaller than half of outer.matchmaking_time")
         if self.progress.ttl <= self.progress.period:
             raise ValueError("progress.ttl (--progress-ttl) must be longer than progress.period (--progress-period)")
+        if self.island_parallel == "fsdp" and self.checkpoint.dir:
+            raise ValueError("--checkpoint-dir is not supported with --island-parallel fsdp yet: use ddp, or run "
+                             "without checkpoints")
         if self.inner.schedule == "cosine":
             horizon = self.inner.decay_steps or self.max_steps
             if not horizon:

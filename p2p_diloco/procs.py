@@ -116,13 +116,19 @@ def exit_with_parent(stop: StopSignal, interval: float = 1.0) -> None:
     threading.Thread(target=watch, name="parent-watch", daemon=True).start()
 
 
-def run_launcher(command: list[str]) -> int:
+def run_launcher(command: list[str], settle: float = 5.0) -> int:
     """Run a launcher that starts worker processes (torchrun) as our child and pass each SIGINT and
     SIGTERM we get on to its workers alone, so they stop as they would on their own and the launcher
     then exits as it does when they finish (torchrun, signalled itself, ends with a traceback and
     code 1). The launcher runs in a session of its own (a terminal's Ctrl+C reaches only us) and is
-    sent SIGTERM by the kernel if we die. Returns its exit code; a second signal reaches the workers
-    as a second signal (they then exit at once).
+    sent SIGTERM by the kernel if we die. A second signal reaches the workers as a second signal
+    (they then exit at once).
+
+    After a signal the launcher must not start the workers again (torchrun restarts workers that
+    ended with an error, ``--max-restarts``): when it has no workers at the signal, or still runs
+    ``settle`` seconds after the signalled workers ended, it gets SIGTERM itself and we return 130.
+
+    :returns: the launcher's exit code (128 + N when signal N ended it)
     """
     import subprocess
 
@@ -135,21 +141,43 @@ def run_launcher(command: list[str]) -> int:
             libc_prctl(_PR_SET_PDEATHSIG, signal.SIGTERM, 0, 0, 0)
 
     launcher = subprocess.Popen(command, start_new_session=True, preexec_fn=die_with_us)
+    signalled: set[int] = set()  # the workers we passed a signal to
+    state = {"gone_since": None, "terminated": False}  # (when the signalled workers were all gone)
+
+    def terminate() -> None:
+        if not state["terminated"]:
+            state["terminated"] = True
+            launcher.terminate()
 
     def forward(signum, _frame) -> None:
         try:
             workers = psutil.Process(launcher.pid).children()
         except psutil.Error:
             return
+        if not workers:  # starting or restarting them: nothing to stop gracefully
+            terminate()
         for worker in workers:
             try:
                 worker.send_signal(signum)
+                signalled.add(worker.pid)
             except psutil.Error:
                 pass
 
     signal.signal(signal.SIGINT, forward)
     signal.signal(signal.SIGTERM, forward)
-    return launcher.wait()
+    while True:
+        try:
+            code = launcher.wait(timeout=0.5)
+            break
+        except subprocess.TimeoutExpired:
+            pass
+        if signalled and not any(pid_alive(pid) for pid in signalled):
+            state["gone_since"] = state["gone_since"] or time.monotonic()
+            if time.monotonic() - state["gone_since"] > settle:  # it restarts them: end it
+                terminate()
+    if state["terminated"]:
+        return 130
+    return 128 - code if code < 0 else code
 
 
 def descendants(pid: int) -> list[int]:

@@ -109,11 +109,13 @@ class StepBoundary:
                 if update.reset_optimizer:
                     self.optimizer.state.pop(param, None)  # AdamW starts these moments afresh
         self.stats.updates_applied += 1
-        if ranks is not None:
+        if ranks is not None and not ranks.collective_reads:  # (FSDP's ranks hold disjoint shards)
             checksum = ranks.agree(params)
             if ranks.leader:
                 self.events({"event": "ranks_agree", "fragment": update.fragment, "version": update.version,
                              "ranks": ranks.world, "checksum": checksum, "step": self.stats.inner_steps})
+        if ranks is not None:
+            ranks.settled()
 
     def apply_received(self, fragment: int, mode: str, alpha: float, reset_optimizer: bool) -> None:
         """Follower: land the update the leader is sending (its ``apply`` command's arguments)."""
@@ -146,7 +148,9 @@ class StepBoundary:
             return [param.detach().to("cpu", torch.float32, copy=True) for param in params]
         if self.ranks.leader and self.ranks.collective_reads:
             self.ranks.command("read", fragment)
-        return self.ranks.whole(params)
+        whole = self.ranks.whole(params)
+        self.ranks.settled()
+        return whole
 
     def close(self) -> None:
         """Stop taking snapshot requests and release any that wait."""

@@ -82,13 +82,9 @@ class IslandBuilder:
         if config.threads:
             torch.set_num_threads(config.threads)
         device = resolve_device(config.device)
-        ranks = start_ranks(config.island_parallel, device, config.nproc_per_node)
+        ranks = start_ranks(config.island_parallel, device, config.nproc_per_node, leader_work=config.join_timeout)
         if ranks is not None:
-            device = ranks.device
-            if ranks.parallel == "fsdp" and config.checkpoint.dir:
-                ranks.close()
-                raise ConfigError("--checkpoint-dir is not supported with --island-parallel fsdp yet: use ddp, or "
-                                  "run without checkpoints")
+            device = ranks.device  # (FSDP with --checkpoint-dir is refused by the configuration)
             if not ranks.leader:
                 return self._follower(ranks, device, launched)
         peers = parse_maddrs(config.initial_peers, what="--initial-peers", need_peer_id=True)
@@ -179,7 +175,9 @@ class IslandBuilder:
         island.device_name = torch.cuda.get_device_name(island.device) if island.device.type == "cuda" else "cpu"
         peak = peak_flops(island.device_name)
         island.flops_per_token = flops_per_token(island.parameters, spec)
-        island.peak_flops = peak * world if peak else peak  # (the island's devices together)
+        # the island's devices together (ranks that share a GPU share its peak)
+        devices = min(world, torch.cuda.device_count()) if island.device.type == "cuda" else world
+        island.peak_flops = peak * devices if peak else peak
         logger.info("island %s: %s model, %.2fM parameters, %d fragments, device %s%s, shard %d/%d (%d tokens), "
                     "fingerprint %s", config.island, model_dir or config.model.preset, island.parameters / 1e6,
                     island.layout.num_fragments, island.device,

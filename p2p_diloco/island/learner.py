@@ -171,6 +171,7 @@ class Learner:
             if self.ranks.leader:
                 self.ranks.command("load", fragment)
             whole = self.ranks.broadcast(theta, [p.shape for p in params])
+            self.ranks.settled()
             theta = [self.ranks.local(p, t) for p, t in zip(params, whole, strict=True)]
         for param, value in zip(params, theta, strict=True):
             param.copy_(value.to(param.device))
@@ -213,6 +214,8 @@ class Learner:
         if self.ranks is not None and self.ranks.leader:
             self.ranks.command("step")
         value, tokens = self._optimize()
+        if self.ranks is not None:
+            self.ranks.settled()
         self.pace(time.perf_counter() - start)
         elapsed = time.perf_counter() - start
         stats = self.stats
@@ -278,6 +281,8 @@ class Learner:
                 total += float(self._loss(batch, forward))
                 if not collective:
                     self.boundary.answer_snapshots()
+        if collective:
+            self.ranks.settled()
         self.model.train(was_training)
         value = total / len(self.eval_data)
         self.stats.eval_loss = value
@@ -345,6 +350,7 @@ class Learner:
         if self.ranks is not None and self.ranks.leader:  # (checkpoints are refused for FSDP islands)
             self.ranks.command("restore")
             self.ranks.broadcast_object((params, optimizer, scheduler, meta))
+            self.ranks.settled()
         for name, param in self.model.named_parameters():
             param.copy_(params[name].to(param.device))
         settings = [{key: value for key, value in group.items() if key != "params"} for group in self.optimizer.param_groups]

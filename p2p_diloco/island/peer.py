@@ -128,10 +128,14 @@ class Island:
         :raises RankLost: another rank of the island died
         """
         try:
-            return self._run()
-        finally:
+            summary = self._run()
+        except BaseException:
             if self.ranks is not None:
                 _quietly(self.ranks.release, "releasing the island's other ranks")
+            raise
+        if self.ranks is not None:
+            self.ranks.release()  # a rank lost by now is the island's failure too
+        return summary
 
     def follow(self) -> None:
         """A follower rank's run: the leader's commands until it stops (docs/DESIGN.md, "Islands of

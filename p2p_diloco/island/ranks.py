@@ -31,7 +31,10 @@ from p2p_diloco.errors import ConfigError, UserError
 logger = logging.getLogger(__name__)
 
 PARALLEL = ("ddp", "fsdp")
-RANK_TIMEOUT = 900.0  # seconds a collective waits for a stalled rank (the leader's start, its downloads, ...)
+# seconds a collective waits for a stalled rank: the followers wait this long for the leader's next
+# command while it works alone (its start, tokenizing raw text, downloads of --join-timeout, a DDP
+# evaluation); a dead rank is seen at once (its connections close)
+RANK_TIMEOUT = 3600.0
 
 
 class RankLost(UserError):
@@ -92,6 +95,7 @@ class IslandRanks:
         self.rank, self.world = dist.get_rank(), dist.get_world_size()
         self._comm = "cpu" if self.backend == "gloo" else device  # where broadcast buffers live
         self._released = False
+        self.midway: Optional[str] = None  # the leader's command whose collectives are under way
         logger.info("rank %d of %d (%s over %s, device %s)", self.rank, self.world, parallel, self.backend, device)
 
     @property
@@ -126,8 +130,14 @@ class IslandRanks:
     # ------------------------------------------------------------------ commands
 
     def command(self, kind: str, *args) -> None:
-        """Leader: tell the followers what to do next (a tuple of small picklable values)."""
+        """Leader: tell the followers what to do next (a tuple of small picklable values). Until
+        :meth:`settled`, the followers are inside that command's collectives."""
         self.broadcast_object((kind, *args))
+        self.midway = kind
+
+    def settled(self) -> None:
+        """The current command's collectives are done: the followers wait for the next command."""
+        self.midway = None
 
     def receive(self) -> tuple:
         """Follower: the leader's next command."""
@@ -188,14 +198,14 @@ class IslandRanks:
 
     @torch.no_grad()
     def agree(self, params: Sequence[torch.Tensor]) -> int:
-        """Check that every rank holds the same ``params`` (after an outer update); returns the
+        """Check that every rank holds the same ``params`` (DDP, after an outer update); returns the
         checksum: the sum of the parameters' bits read as integers (exact, so equal tensors give
-        equal sums on every rank). For FSDP the whole (gathered) parameters are compared.
+        equal sums on every rank). FSDP's ranks hold disjoint shards, so it is not called for them.
 
         :raises RankLost: when a rank's checksum differs from the leader's
         """
         total = 0
-        for p in self.whole(params) if self.collective_reads else params:
+        for p in params:
             p = p.detach()
             bits = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[p.element_size()]
             total += int(p.contiguous().view(bits).to(torch.int64).sum())
@@ -211,10 +221,18 @@ class IslandRanks:
     # ------------------------------------------------------------------ end
 
     def release(self) -> None:
-        """Leader: tell the followers to stop (once), then leave the group."""
+        """Leader: tell the followers to stop (once), then leave the group. When they are inside a
+        command (the leader failed midway), it only leaves: their collective then fails and they end
+        with an error, as they must, instead of reading "stop" as that command's data.
+
+        :raises RankLost: when a follower is gone
+        """
         if not self._released and self.leader:
             self._released = True
-            self.command("stop")
+            if self.midway is None:
+                self.command("stop")
+            else:
+                logger.warning("leaving the island's other ranks inside the command %r: they end with it", self.midway)
         self.close()
 
     def close(self) -> None:
@@ -230,15 +248,30 @@ class IslandRanks:
         try:
             yield
         except (RuntimeError, ConnectionError) as e:  # (torch's DistBackendError is a RuntimeError)
+            if not _group_error(e):
+                raise  # this rank's own failure (out of memory, a model's bug): not another rank's
             first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
             raise RankLost(f"rank {self.rank} of this island lost its group while {what}: another rank died or "
                            f"stalled ({first[:200]})") from None
 
 
-def start_ranks(parallel: str, device: torch.device, expected: int) -> Optional[IslandRanks]:
+def _group_error(e: BaseException) -> bool:
+    """Whether ``e`` is the process group's failure (a peer rank gone or stalled), as torch.distributed,
+    gloo and NCCL raise it."""
+    import torch.distributed as dist
+
+    if isinstance(e, ConnectionError) or isinstance(e, getattr(dist, "DistError", ())):
+        return True
+    text = str(e)
+    return any(mark in text for mark in ("gloo", "Gloo", "NCCL", "nccl", "Connection", "ProcessGroup", "timed out"))
+
+
+def start_ranks(parallel: str, device: torch.device, expected: int, leader_work: float = 0.0) -> Optional[IslandRanks]:
     """The island's process group when ``torchrun`` started it as one of several ranks, else None.
 
     :param expected: ``--nproc-per-node`` (1: any); torchrun's local world size must match it
+    :param leader_work: seconds the leader may work alone between two commands (``--join-timeout``):
+        the group's timeout is :data:`RANK_TIMEOUT` or this plus 10 minutes, the longer
     :raises ConfigError: a mismatch between ``--nproc-per-node`` and torchrun's
     """
     if launched_ranks() <= 1:
@@ -247,7 +280,7 @@ def start_ranks(parallel: str, device: torch.device, expected: int) -> Optional[
     if expected > 1 and local and local != expected:
         raise ConfigError(f"--nproc-per-node {expected} but torchrun started {local} ranks on this machine: "
                           "give one of them")
-    return IslandRanks(parallel, rank_device(device))
+    return IslandRanks(parallel, rank_device(device), timeout=max(RANK_TIMEOUT, leader_work + 600.0))
 
 
 def torchrun_argv(nproc: int, argv: Sequence[str], max_restarts: int = 0) -> list[str]:

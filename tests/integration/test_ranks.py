@@ -55,9 +55,9 @@ def test_islands_of_ddp_and_fsdp_ranks_share_rounds_and_a_killed_rank_ends_only_
         solo = swarm.start_island("solo", *FAST, *ROUNDS, "--data-shard-index", "2")
         # rounds of all three, each applied on every rank of an island with the ranks agreeing
         wait_for(lambda: any(len(e["members"]) == 3 for e in _ok_rounds(swarm, "ddp"))
-                 and all(len(events_of(swarm.events_path(name), "ranks_agree")) >= 2 for name in ("ddp", "fsdp"))
-                 and events_of(swarm.events_path("ddp"), "checkpoint"), timeout=180,
-                 message="a 3-member round landed on both ranks of ddp and of fsdp, and ddp's checkpoint")
+                 and len(events_of(swarm.events_path("ddp"), "ranks_agree")) >= 2
+                 and len(_ok_rounds(swarm, "fsdp")) >= 2 and events_of(swarm.events_path("ddp"), "checkpoint"),
+                 timeout=180, message="a 3-member round landed on both of ddp's ranks, fsdp's rounds, ddp's checkpoint")
         # a dead rank in each: fsdp ends, as a failure, leaving nothing; torchrun restarts ddp, whose
         # rank 0 loads the checkpoint and hands it to rank 1, and both ranks land the next round alike
         swarm.remember_trees()
@@ -93,10 +93,12 @@ def test_islands_of_ddp_and_fsdp_ranks_share_rounds_and_a_killed_rank_ends_only_
     assert ddp_summary["tokens"] == 2 * ddp_summary["inner_steps"] * solo_summary["tokens"] // solo_summary["inner_steps"]
     assert ddp_summary["eval_loss_last"] < ddp_summary["eval_loss_first"]
     resumed = events_of(swarm.events_path("ddp"), "resume")[0]["t"]
-    for name, after in (("fsdp", 0.0), ("ddp", resumed)):
-        agreed = [e for e in events_of(swarm.events_path(name), "ranks_agree") if e["t"] > after]
-        applied = _applied_before_last_steps(swarm, name, after)
+    for after in (0.0, resumed):  # each life of ddp
+        agreed = [e for e in events_of(swarm.events_path("ddp"), "ranks_agree") if e["t"] > after]
+        applied = _applied_before_last_steps(swarm, "ddp", after)
         # every round landed (before the last steps) was landed on both ranks, which then held the same
-        # parameters (FSDP: the same gathered parameters)
-        assert len(agreed) >= max(len(applied), 1) and all(e["ranks"] == 2 for e in agreed), (name, agreed, applied)
+        # parameters, bit for bit
+        assert len(agreed) >= max(len(applied), 1) and all(e["ranks"] == 2 for e in agreed), (agreed, applied)
+    # FSDP's ranks hold disjoint shards (nothing to compare): they landed the rounds that 3 islands shared
     assert any(len(e["members"]) == 3 for e in _ok_rounds(swarm, "fsdp"))
+    assert not events_of(swarm.events_path("fsdp"), "ranks_agree")

@@ -32,6 +32,9 @@ def test_defaults_and_aliases():
         (["--max-steps", "many"], "max_steps (--max-steps)"),
         (["--island", "bad name!"], "island (--island)"),
         (["--outer-period", "2"], "outer.period"),
+        (["--nproc-per-node", "0"], "nproc_per_node (--nproc-per-node)"),
+        (["--island-parallel", "fsdp", "--checkpoint-dir", "ckpt"], "--checkpoint-dir is not supported with "
+         "--island-parallel fsdp"),
     ],
 )
 def test_invalid_values_name_the_field(flags, expected):

@@ -101,3 +101,51 @@ def test_ranks_agree_on_equal_parameters_and_catch_one_ulp(tmp_path):
     assert results[0]["checksum"] == results[1]["checksum"]  # equal parameters agree
     for r in results:  # and one ulp on one rank is caught, on every rank
         assert "ranks [1] of this island hold other parameters than rank 0" in r["diverged"]
+
+
+# a stand-in for torchrun: starts a worker, restarts it (up to RESTARTS times) when it ends with an
+# error, exits 1 when signalled itself (as torchrun does)
+LAUNCHER = """
+import signal, subprocess, sys
+folder, code, restarts = sys.argv[1], sys.argv[2], int(sys.argv[3])
+workers = []
+
+def shutdown(*_):
+    for worker in workers:
+        worker.kill()
+    sys.exit(1)
+
+signal.signal(signal.SIGTERM, shutdown)
+for attempt in range(restarts + 1):
+    workers.append(subprocess.Popen([sys.executable, "-c", WORKER, folder, str(attempt), code]))
+    if workers[-1].wait() == 0:
+        sys.exit(0)
+sys.exit(1)
+"""
+WORKER = """
+import os, signal, sys, time
+folder, attempt, code = sys.argv[1], sys.argv[2], int(sys.argv[3])
+signal.signal(signal.SIGTERM, lambda *_: sys.exit(code))
+open(os.path.join(folder, "started-" + attempt), "w").close()
+time.sleep(60)
+"""
+
+
+@pytest.mark.parametrize("worker_code,expected", [(0, 0), (130, 130)])
+def test_a_stop_reaches_the_workers_and_no_restart_follows_it(tmp_path, worker_code, expected):
+    import signal
+    import time
+
+    script = "WORKER = " + repr(WORKER) + "\n" + LAUNCHER
+    runner = subprocess.Popen([sys.executable, "-c", "import sys; from p2p_diloco.procs import run_launcher; "
+                               "sys.exit(run_launcher(sys.argv[1:], settle=1.0))", sys.executable, "-c", script,
+                               str(tmp_path), str(worker_code), "5"], cwd=Path(__file__).resolve().parents[2])
+    deadline = time.monotonic() + 30
+    while not (tmp_path / "started-0").exists() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    runner.send_signal(signal.SIGTERM)
+    assert runner.wait(30) == expected
+    # a worker that stopped cleanly ends the launcher with 0; one that ended with an error was
+    # restarted once at most before the launcher itself was ended (not 5 times)
+    started = len(list(tmp_path.glob("started-*")))
+    assert started == 1 if worker_code == 0 else 1 <= started <= 2
