@@ -188,7 +188,7 @@ def main(argv: Optional[Sequence[str]] = None, *, peer_config: type = config_lib
     from p2p_diloco.procs import StopSignal, exit_with_parent, install_child_hooks
 
     install_child_hooks()
-    stop = StopSignal(echo_window=2.0 if "LOCAL_RANK" in os.environ else 0.0).install()
+    stop = StopSignal().install()
     if os.environ.get("P2P_DILOCO_EXIT_WITH_PARENT"):
         exit_with_parent(stop)
     if hasattr(signal, "SIGUSR1"):  # `kill -USR1 <pid>` prints every thread's stack (debugging a hang)

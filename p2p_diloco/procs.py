@@ -70,14 +70,10 @@ class StopSignal:
     :meth:`install` again after creating averagers.
     """
 
-    def __init__(self, echo_window: float = 0.0) -> None:
+    def __init__(self) -> None:
         self.event = threading.Event()  # also set by other reasons to stop (a dead helper process)
         self.received: str | None = None
         self.signals = 0
-        # a launcher (torchrun) passes on the terminal's Ctrl+C that its ranks got too: a second
-        # signal this many seconds after the first is that echo, not a request to force
-        self.echo_window = echo_window
-        self._first = 0.0
 
     def install(self) -> "StopSignal":
         """Install the handlers (main thread only); returns self."""
@@ -87,11 +83,7 @@ class StopSignal:
 
     def _handle(self, signum, _frame) -> None:
         name = signal.Signals(signum).name
-        if self.signals == 1 and time.monotonic() - self._first < self.echo_window:
-            logger.debug("%s again within %.0f s: the launcher's echo", name, self.echo_window)
-            return
         self.signals += 1
-        self._first = self._first or time.monotonic()
         if self.signals > 1:
             logger.warning("second %s: exiting now", name)
             os._exit(130)

@@ -148,6 +148,7 @@ def swarm(out: Path, minutes: float, timeout: float) -> dict:
 def island_ranks(out: Path, timeout: float, device: str = "cuda") -> dict:
     """An island of 2 DDP ranks and a one-process island on ``device`` (tiny preset, a minute of
     training, a round every 5 s): their summaries and the ranks' agreement events."""
+    from p2p_diloco.island.events import read_events
     from p2p_diloco.lab.localswarm import LocalSwarm
 
     flags = ["--preset", "tiny", "--device", device, "--max-minutes", "1", "--outer-fragments", "1",
@@ -163,8 +164,8 @@ def island_ranks(out: Path, timeout: float, device: str = "cuda") -> dict:
     finally:
         swarm.close()
     islands = {name: swarm.summary(name) or {} for name in ("ranks", "solo")}
-    events = swarm.events_path("ranks").read_text().splitlines() if swarm.events_path("ranks").exists() else []
-    agreed = [line for line in events if '"event":"ranks_agree"' in line.replace(" ", "")]
+    path = swarm.events_path("ranks")
+    agreed = [e for e in (read_events(str(path)) if path.exists() else []) if e.get("event") == "ranks_agree"]
     ranks, solo = islands["ranks"], islands["solo"]
     ok = (codes == {"ranks": 0, "solo": 0} and ranks.get("ranks") == 2 and (ranks.get("outer_rounds_ok") or 0) > 0
           and len(agreed) >= ranks["outer_rounds_ok"] - 1 and solo.get("inner_steps")

@@ -87,16 +87,22 @@ class StepBoundary:
             self._apply(update)
         self._held = waiting
 
-    @torch.no_grad()
     def _apply(self, update: OuterUpdate) -> None:
         """Land one update on its fragment's live parameters (on every rank of the island, the
         leader sending its tensors: a follower's ``update.tensors`` is None)."""
+        if self.ranks is None:
+            self._land(update)
+            return
+        with self.ranks.order("landing an update", "apply", update.fragment, update.mode, update.alpha,
+                              update.reset_optimizer):
+            self._land(update)
+
+    @torch.no_grad()
+    def _land(self, update: OuterUpdate) -> None:
         params = self.fragment_params[update.fragment]
         tensors = update.tensors
         ranks = self.ranks
         if ranks is not None:
-            if ranks.leader:
-                ranks.command("apply", update.fragment, update.mode, update.alpha, update.reset_optimizer)
             whole = ranks.broadcast(tensors, [p.shape for p in params])
             tensors = [ranks.local(p, t) for p, t in zip(params, whole, strict=True)]
         if update.mode == "carry":
@@ -114,8 +120,6 @@ class StepBoundary:
             if ranks.leader:
                 self.events({"event": "ranks_agree", "fragment": update.fragment, "version": update.version,
                              "ranks": ranks.world, "checksum": checksum, "step": self.stats.inner_steps})
-        if ranks is not None:
-            ranks.settled()
 
     def apply_received(self, fragment: int, mode: str, alpha: float, reset_optimizer: bool) -> None:
         """Follower: land the update the leader is sending (its ``apply`` command's arguments)."""
@@ -146,11 +150,8 @@ class StepBoundary:
         params = self.fragment_params[fragment]
         if self.ranks is None:
             return [param.detach().to("cpu", torch.float32, copy=True) for param in params]
-        if self.ranks.leader and self.ranks.collective_reads:
-            self.ranks.command("read", fragment)
-        whole = self.ranks.whole(params)
-        self.ranks.settled()
-        return whole
+        with self.ranks.order("gathering parameters", "read", fragment, send=self.ranks.collective_reads):
+            return self.ranks.whole(params)
 
     def close(self) -> None:
         """Stop taking snapshot requests and release any that wait."""

@@ -168,10 +168,8 @@ class Learner:
         every rank, the leader sending it: a follower's ``theta`` is None)."""
         params = self.fragment_params[fragment]
         if self.ranks is not None:
-            if self.ranks.leader:
-                self.ranks.command("load", fragment)
-            whole = self.ranks.broadcast(theta, [p.shape for p in params])
-            self.ranks.settled()
+            with self.ranks.order("loading global parameters", "load", fragment):
+                whole = self.ranks.broadcast(theta, [p.shape for p in params])
             theta = [self.ranks.local(p, t) for p, t in zip(params, whole, strict=True)]
         for param, value in zip(params, theta, strict=True):
             param.copy_(value.to(param.device))
@@ -211,11 +209,9 @@ class Learner:
             self.stats.first_step_start = start_wall
         if not self._throughput:  # (the first step's start: tokens/s is known after one step)
             self._throughput.append((start_wall, self.stats.tokens))
-        if self.ranks is not None and self.ranks.leader:
-            self.ranks.command("step")
-        value, tokens = self._optimize()
-        if self.ranks is not None:
-            self.ranks.settled()
+        # (an island of ranks: DDP's gradient all-reduce and FSDP's gathers run in backward and the clip)
+        with self.ranks.order("taking an inner step", "step") if self.ranks is not None else contextlib.nullcontext():
+            value, tokens = self._optimize()
         self.pace(time.perf_counter() - start)
         elapsed = time.perf_counter() - start
         stats = self.stats
@@ -240,16 +236,14 @@ class Learner:
         mean over all B x grad_accum_steps sequences, the gradient of one batch that large),
         gradient clip, AdamW and scheduler step. Returns (mean loss in nats/token, tokens trained)."""
         total, tokens = 0.0, 0
-        # the ranks' gradient all-reduce (DDP) and gathers (FSDP) run inside backward and the clip
-        with self.ranks.collective("taking an inner step") if self.ranks is not None else contextlib.nullcontext():
-            for _ in range(self.grad_accum_steps):
-                batch = self.next_batch()  # (B, T+1)
-                loss = self._loss(batch) / self.grad_accum_steps
-                loss.backward()
-                total = total + loss.detach()
-                tokens += batch.size(0) * (batch.size(1) - 1)
-            if self.grad_clip > 0:
-                torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.grad_clip)
+        for _ in range(self.grad_accum_steps):
+            batch = self.next_batch()  # (B, T+1)
+            loss = self._loss(batch) / self.grad_accum_steps
+            loss.backward()
+            total = total + loss.detach()
+            tokens += batch.size(0) * (batch.size(1) - 1)
+        if self.grad_clip > 0:
+            torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.grad_clip)
         self.optimizer.step()
         self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
@@ -273,16 +267,12 @@ class Learner:
         # an island of ranks: DDP's leader evaluates alone, outside the wrapper; FSDP's ranks together
         # (and snapshot requests wait for the end: reading a fragment needs the ranks too)
         collective = self.ranks is not None and self.ranks.collective_reads
-        if collective and self.ranks.leader:
-            self.ranks.command("eval")
         forward = self.model if self.ranks is not None else None
-        with self.ranks.collective("evaluating") if collective else contextlib.nullcontext():
+        with self.ranks.order("evaluating", "eval") if collective else contextlib.nullcontext():
             for batch in self.eval_data:
                 total += float(self._loss(batch, forward))
                 if not collective:
                     self.boundary.answer_snapshots()
-        if collective:
-            self.ranks.settled()
         self.model.train(was_training)
         value = total / len(self.eval_data)
         self.stats.eval_loss = value
@@ -348,9 +338,8 @@ class Learner:
         :raises ValueError: if the optimizer state does not fit this model
         """
         if self.ranks is not None and self.ranks.leader:  # (checkpoints are refused for FSDP islands)
-            self.ranks.command("restore")
-            self.ranks.broadcast_object((params, optimizer, scheduler, meta))
-            self.ranks.settled()
+            with self.ranks.order("sending a checkpoint", "restore"):
+                self.ranks.broadcast_object((params, optimizer, scheduler, meta))
         for name, param in self.model.named_parameters():
             param.copy_(params[name].to(param.device))
         settings = [{key: value for key, value in group.items() if key != "params"} for group in self.optimizer.param_groups]

@@ -30,7 +30,6 @@ from p2p_diloco.errors import ConfigError, UserError
 
 logger = logging.getLogger(__name__)
 
-PARALLEL = ("ddp", "fsdp")
 # seconds a collective waits for a stalled rank: the followers wait this long for the leader's next
 # command while it works alone (its start, tokenizing raw text, downloads of --join-timeout, a DDP
 # evaluation); a dead rank is seen at once (its connections close)
@@ -75,8 +74,6 @@ class IslandRanks:
     def __init__(self, parallel: str, device: torch.device, timeout: float = RANK_TIMEOUT):
         import torch.distributed as dist
 
-        if parallel not in PARALLEL:
-            raise ConfigError(f"--island-parallel {parallel!r}: choose one of {', '.join(PARALLEL)}")
         self.dist, self.parallel, self.device = dist, parallel, device
         # NCCL cannot put two ranks on one GPU: ranks that share one talk over gloo
         shared = device.type == "cuda" and torch.cuda.device_count() < int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
@@ -130,14 +127,23 @@ class IslandRanks:
     # ------------------------------------------------------------------ commands
 
     def command(self, kind: str, *args) -> None:
-        """Leader: tell the followers what to do next (a tuple of small picklable values). Until
-        :meth:`settled`, the followers are inside that command's collectives."""
+        """Leader: tell the followers what to do next (a tuple of small picklable values)."""
         self.broadcast_object((kind, *args))
-        self.midway = kind
 
-    def settled(self) -> None:
-        """The current command's collectives are done: the followers wait for the next command."""
-        self.midway = None
+    @contextlib.contextmanager
+    def order(self, doing: str, kind: str, *args, send: bool = True):
+        """Context for one command and its collectives, on every rank: the leader first sends
+        ``(kind, *args)`` (when ``send``), then every rank runs the body, the command's collectives,
+        whose process-group errors become :class:`RankLost` naming ``doing``. Until the body ends,
+        the leader's followers are midway (:meth:`release` then only leaves them)."""
+        sent = self.leader and send
+        if sent:
+            self.command(kind, *args)
+            self.midway = kind
+        with self.collective(doing):
+            yield
+        if sent:
+            self.midway = None
 
     def receive(self) -> tuple:
         """Follower: the leader's next command."""

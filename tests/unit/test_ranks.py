@@ -1,5 +1,5 @@
 """Islands of several ranks (docs/DESIGN.md, "Islands of many ranks"): the launch command, the
-launcher's checks, a follower's data position, and the ranks' agreement check over a real gloo
+launcher's checks, a follower's data position, the launcher's stop, and the ranks' agreement check over a real gloo
 group of two processes."""
 
 from __future__ import annotations
@@ -17,7 +17,6 @@ import torch
 
 from p2p_diloco.errors import ConfigError
 from p2p_diloco.island import data, ranks
-from p2p_diloco.procs import StopSignal
 
 
 def test_torchrun_argv_runs_this_module_with_the_same_flags():
@@ -48,15 +47,6 @@ def test_skip_reaches_the_position_of_drawing():
     skipped.skip(5)
     assert skipped.batches_drawn == 5
     assert torch.equal(skipped.next_batch(), drawn.next_batch())
-
-
-def test_a_launchers_echo_of_ctrl_c_is_not_a_second_signal():
-    import signal
-
-    stop = StopSignal(echo_window=60.0)
-    stop._handle(signal.SIGINT, None)
-    stop._handle(signal.SIGINT, None)  # torchrun passing the terminal's Ctrl+C on: ignored (no exit)
-    assert stop.event.is_set() and stop.signals == 1 and stop.received
 
 
 def _agree_worker(rank: int, port: int, out: str) -> None:
