@@ -156,13 +156,14 @@ def run(argv: Optional[Sequence[str]] = None, **island: object) -> None:
 
 
 def main(argv: Optional[Sequence[str]] = None, *, peer_config: type = config_lib.PeerConfig,
-         builder: Optional[type] = None) -> int:
+         builder: Optional[type] = None, entry: str = "p2p_diloco") -> int:
     """Entry point of ``p2p-diloco``; returns the exit code (0 ok, 1 helper died, 2 config/data,
     3 network, 4 fingerprint, 130 interrupted).
 
     :param peer_config: the configuration class of ``peer`` (a subclass of PeerConfig)
     :param builder: the island's :class:`~p2p_diloco.island.builder.IslandBuilder` class (default: the
         product's; the lab passes one that injects faults)
+    :param entry: the module torchrun runs each rank of ``peer --nproc-per-node N`` with (``python -m``)
     """
     args = build_parser(peer_config).parse_args(argv)
     role_config = None
@@ -183,7 +184,7 @@ def main(argv: Optional[Sequence[str]] = None, *, peer_config: type = config_lib
 
             return run_launcher(torchrun_argv(role_config.nproc_per_node,
                                               list(argv) if argv is not None else sys.argv[1:],
-                                              role_config.max_restarts))
+                                              role_config.max_restarts, module=entry))
     setup_logging(args.verbose)
     from p2p_diloco.procs import StopSignal, exit_with_parent, install_child_hooks
 

@@ -12,6 +12,8 @@ import pytest
 from p2p_diloco.procs import children, descendants, pid_alive
 
 ROOT = Path(__file__).resolve().parents[1]
+# PIDs that a test started for a module fixture, which ends them (a restarted bootstrap node)
+KEPT: set[int] = set()
 
 
 @pytest.fixture(scope="session", autouse=True)
@@ -26,12 +28,13 @@ def shared_cache(tmp_path_factory):
 def no_leftover_processes():
     """Kill, by PID, any process a test started (directly or not) that is still alive after it.
 
-    Processes started by module fixtures before the test, and their descendants, are left alone.
+    Processes started by module fixtures before the test, those in ``KEPT``, and their descendants,
+    are left alone.
     """
     before = set(children(os.getpid()))
     yield
     deadline = time.monotonic() + 10
-    started = set(children(os.getpid())) - before
+    started = set(children(os.getpid())) - before - KEPT
     leftovers = [pid for child in started for pid in [child, *descendants(child)]]
     while leftovers and time.monotonic() < deadline:
         time.sleep(0.2)

@@ -289,12 +289,12 @@ def start_ranks(parallel: str, device: torch.device, expected: int, leader_work:
     return IslandRanks(parallel, rank_device(device), timeout=max(RANK_TIMEOUT, leader_work + 600.0))
 
 
-def torchrun_argv(nproc: int, argv: Sequence[str], max_restarts: int = 0) -> list[str]:
+def torchrun_argv(nproc: int, argv: Sequence[str], max_restarts: int = 0, module: str = "p2p_diloco") -> list[str]:
     """The command line that makes ``p2p-diloco peer --nproc-per-node N ...`` one island of N ranks on
-    this machine: ``torchrun --standalone --nproc-per-node N --max-restarts R -m p2p_diloco ...`` with
-    the same flags."""
+    this machine: ``torchrun --standalone --nproc-per-node N --max-restarts R -m MODULE ...`` with
+    the same flags (``module``: the entry point that was called, the product's or the lab's)."""
     import sys
 
     return [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nnodes", "1",
-            "--nproc-per-node", str(nproc), "--max-restarts", str(max_restarts), "-m", "p2p_diloco", *argv]
+            "--nproc-per-node", str(nproc), "--max-restarts", str(max_restarts), "-m", module, *argv]
 

@@ -108,13 +108,14 @@ class SlowLearner(Learner):
     def __init__(self, *, slowdown: float, jitter: float, **kwargs):
         super().__init__(**kwargs)
         self.slowdown, self.jitter, self._rng = slowdown, jitter, random.Random()
+        self._pause = threading.Event()  # never set
 
     def pace(self, compute_seconds: float) -> None:
         stretch = self.slowdown
         if self.jitter > 0:
             stretch *= 1.0 + self._rng.uniform(-self.jitter, self.jitter)
-        if stretch > 1.0:
-            time.sleep((stretch - 1.0) * compute_seconds)
+        if stretch > 1.0:  # (an Event's wait: under libfaketime, time.sleep fails with EINVAL)
+            self._pause.wait((stretch - 1.0) * compute_seconds)
 
 
 class Garbage:
@@ -289,7 +290,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     """``python -m p2p_diloco.lab.faults peer ...``: an island with the lab's faults."""
     from p2p_diloco.cli import run
 
-    run(argv, peer_config=LabPeerConfig, builder=FaultyIslandBuilder)
+    run(argv, peer_config=LabPeerConfig, builder=FaultyIslandBuilder, entry="p2p_diloco.lab.faults")
 
 
 if __name__ == "__main__":

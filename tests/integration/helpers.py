@@ -19,6 +19,14 @@ FAST = [
     "--progress-period", "1", "--progress-ttl", "6", "--eval-every", "20", "--eval-batches", "2",
     "--inner-warmup-steps", "10", "--join-timeout", "30",
 ]
+# islands on a device half as fast (the lab's --slowdown: each inner step is followed by a pause as
+# long as its compute), for tests bounded in rounds. Each island of a real swarm has a machine of its
+# own; on 2 shared cores, islands that compute flat out starve every process started after them (a
+# late joiner's start-up took 3-5x longer than alone, the test's own status calls too), and half a
+# core each leaves the others the headroom their own machines would give them. Islands started with
+# it run under the lab's entry point (p2p_diloco.lab.faults), which is the product's island with a
+# slower learner
+PACED = ["--slowdown", "2"]
 
 
 def cli(*args: str, timeout: float = 120) -> subprocess.CompletedProcess:

@@ -195,7 +195,7 @@ def test_a_private_swarm_refuses_rogues_and_drops_a_revoked_island_within_a_reco
     an island's averagers, while the swarm forms; then the operator revokes island-2's certificate."""
     from p2p_diloco.lab.localswarm import LocalSwarm
     from p2p_diloco.lab.rogues import DOORS, KINDS, PrivateRun, targets_of
-    from tests.integration.helpers import FAST, assert_clean_error, cli_in_background, events_of, wait_for
+    from tests.integration.helpers import FAST, PACED, assert_clean_error, cli_in_background, events_of, wait_for
 
     run = PrivateRun(tmp_path / "keys", RUN)
     names = ["island-0", "island-1", "island-2"]
@@ -206,7 +206,7 @@ def test_a_private_swarm_refuses_rogues_and_drops_a_revoked_island_within_a_reco
         swarm.start_bootstrap(*run.flags("boot", "bootstrap"), "--revocations", str(run.revocations_path),
                               "--dashboard-port", "0")
         for name in names:
-            swarm.start_island(name, *FAST, "--max-steps", "2000", *flags[name])
+            swarm.start_island(name, *FAST, *PACED, "--max-steps", "2000", *flags[name])
         # island-1's averager of fragment 0 (the "stolen" rogue poses as island-0 there; the bench attacks
         # every averager of every island),
         # once they serve rounds and state: after its first round

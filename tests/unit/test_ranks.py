@@ -27,6 +27,7 @@ def test_torchrun_argv_runs_this_module_with_the_same_flags():
     assert launcher[launcher.index("--nproc-per-node") + 1] == "3"
     assert launcher[launcher.index("--max-restarts") + 1] == "2" and "--standalone" in launcher
     assert rest == ["-m", "p2p_diloco", "peer", "--island", "a", "--nproc-per-node", "3"]
+    assert ranks.torchrun_argv(2, ["peer"], module="p2p_diloco.lab.faults")[-3:] == ["-m", "p2p_diloco.lab.faults", "peer"]
 
 
 def test_nproc_per_node_must_match_torchrun(monkeypatch):
