@@ -9,6 +9,7 @@ last ``--quiet`` seconds without new faults so that the final evaluations compar
 
     .venv/bin/python scripts/make_chaos_schedule.py --faults 100 --minutes 30 --islands 5 \\
         --out docs/chaos/hundred.toml      # and docs/chaos/hundred_baseline.toml
+    .venv/bin/python scripts/make_chaos_schedule.py --slowdown 2 --out docs/chaos/hundred_paced.toml
 """
 
 from __future__ import annotations
@@ -99,10 +100,12 @@ def draw(faults: int, seconds: float, islands: int, quiet: float, seed: int) -> 
     return out
 
 
-def write(path: Path, islands: int, minutes: float, period: float, faults: list[dict], command: str) -> None:
+def write(path: Path, islands: int, minutes: float, period: float, faults: list[dict], command: str,
+          slowdown: float = 1.0) -> None:
+    paced = f', "--slowdown", "{slowdown:g}"' if slowdown > 1.0 else ""
     head = [f"# Written by {command}", f"# {len(faults)} faults" if faults else "# the fault-free baseline",
             f"islands = {islands}", f"minutes = {minutes:g}", f"period = {period:g}", 'network = "netns"',
-            'island_args = ["--eval-every", "60", "--eval-batches", "4"]', ""]
+            f'island_args = ["--eval-every", "60", "--eval-batches", "4"{paced}]', ""]
     body = []
     for fault in faults:
         body.append("[[faults]]")
@@ -119,6 +122,11 @@ def main(argv=None) -> int:
     parser.add_argument("--period", type=float, default=20.0, help="T_outer in seconds")
     parser.add_argument("--quiet", type=float, default=120.0, help="seconds at the end without new faults")
     parser.add_argument("--seed", type=int, default=16)
+    parser.add_argument("--slowdown", type=float, default=1.0,
+                        help="every island on a device this many times slower (the lab's --slowdown), in both "
+                             "schedules: islands of a real swarm have machines of their own, and on a few shared "
+                             "cores islands computing flat out starve each restart's start-up; the faults drawn "
+                             "are the same")
     parser.add_argument("--out", required=True, help="the schedule; its baseline goes next to it (_baseline)")
     args = parser.parse_args(argv)
     if args.islands < 3 or args.faults < 10 or args.minutes * 60 <= args.quiet + 60:
@@ -126,9 +134,11 @@ def main(argv=None) -> int:
     faults = draw(args.faults, args.minutes * 60, args.islands, args.quiet, args.seed)
     out = Path(args.out)
     command = "scripts/make_chaos_schedule.py " + " ".join(argv if argv is not None else sys.argv[1:])
-    write(out, args.islands, args.minutes, args.period, faults, command)
+    if args.slowdown < 1.0:
+        parser.error("--slowdown must be 1 or more")
+    write(out, args.islands, args.minutes, args.period, faults, command, args.slowdown)
     baseline = out.with_name(out.stem + "_baseline" + out.suffix)
-    write(baseline, args.islands, args.minutes, args.period, [], command)
+    write(baseline, args.islands, args.minutes, args.period, [], command, args.slowdown)
     load_schedule(str(out))
     load_schedule(str(baseline))  # both valid
     kinds = sorted({f["kind"] for f in faults})

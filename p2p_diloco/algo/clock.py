@@ -5,8 +5,9 @@ disagree by a second or two would miss each other's matchmaking, so each island 
 to the peers it talks to, NTP-style (RFC 5905, Sec. 8: the offset of one exchange is the peer's time
 minus the midpoint of our send and receive times, good to half the round-trip time), and schedules on
 swarm time: its own clock minus that offset. Per peer the sample with the shortest round trip is kept
-(NTP's clock filter); the swarm's time is the median over peers, so one peer with a wrong or lying
-clock cannot move it.
+(NTP's clock filter); the swarm's time is the median over the peers and our own clock, so one peer
+with a wrong or lying clock cannot move it, and members that see the same peers compute the same
+swarm time.
 """
 
 from __future__ import annotations
@@ -45,33 +46,50 @@ class ClockSample:
 @dataclass(frozen=True)
 class ClockEstimate:
     """Our clock's offset to the swarm: ``offset`` seconds ahead (negative: behind), the median over
-    ``peers`` peers, each measured to within ``error`` seconds (half its round trip, the largest)."""
+    ``peers`` peers and our own clock, each peer measured to within ``error`` seconds (half its round
+    trip, the largest); ``far`` of the ``measured`` peers are more than :data:`MAX_CLOCK_OFFSET` from
+    our clock (those that hivemind's DHT would refuse us)."""
 
     offset: float
     peers: int
     error: float
+    measured: int = 0
+    far: int = 0
+
+    @property
+    def refused(self) -> bool:
+        """Most of the measured peers are too far from our clock for hivemind's DHT to accept us."""
+        return 2 * self.far > self.measured
 
     def describe(self) -> str:
-        """E.g. ``2.03 s ahead of the swarm (median of 3 peers, +-0.002 s)``."""
+        """E.g. ``2.03 s ahead of the swarm (median of 3 peer(s) and ours, +-0.002 s)``."""
         way = "ahead of" if self.offset >= 0 else "behind"
-        return f"{abs(self.offset):.2f} s {way} the swarm (median of {self.peers} peer(s), +-{self.error:.3f} s)"
+        return f"{abs(self.offset):.2f} s {way} the swarm (median of {self.peers} peer(s) and ours, +-{self.error:.3f} s)"
 
 
 def estimate_offset(samples: Iterable[ClockSample]) -> Optional[ClockEstimate]:
-    """The median offset over peers, each peer's sample with the shortest round trip, after dropping
-    peers more than :data:`MAX_CLOCK_OFFSET` from the first median (a peer the DHT would refuse, e.g. a
-    newcomer whose clock is far off, for as long as it is in our routing table: of few peers, it would
-    move the median); None without samples."""
+    """The median offset over the peers and our own clock (offset 0), each peer's sample with the
+    shortest round trip, after dropping clocks more than :data:`MAX_CLOCK_OFFSET` from the first
+    median (a peer the DHT would refuse, e.g. a newcomer whose clock is far off, for as long as it is
+    in our routing table: of few peers, it would move the median); None without samples.
+
+    Our own clock counts so that members that see the same peers take the median of the same clocks,
+    and agree on the swarm's time: without it, of an island on time, one 2 s ahead and a bootstrap
+    node on time, each island took the mean of the other two clocks, and the two stayed 1 s apart
+    (docs/DESIGN.md, "Clocks")."""
     best: dict[str, ClockSample] = {}
     for sample in samples:
         if sample.peer not in best or sample.rtt < best[sample.peer].rtt:
             best[sample.peer] = sample
     if not best:
         return None
-    middle = statistics.median(s.offset for s in best.values())
+    offsets = [s.offset for s in best.values()]
+    middle = statistics.median([0.0, *offsets])
     chosen = [s for s in best.values() if abs(s.offset - middle) <= MAX_CLOCK_OFFSET]
-    return ClockEstimate(offset=float(statistics.median(s.offset for s in chosen)), peers=len(chosen),
-                         error=max(s.rtt for s in chosen) / 2.0)
+    clocks = [s.offset for s in chosen] + ([0.0] if abs(middle) <= MAX_CLOCK_OFFSET else [])
+    return ClockEstimate(offset=float(statistics.median(clocks or [middle])), peers=len(chosen),
+                         error=max((s.rtt for s in chosen), default=0.0) / 2.0, measured=len(offsets),
+                         far=sum(abs(o) > MAX_CLOCK_OFFSET for o in offsets))
 
 
 class SwarmClock:

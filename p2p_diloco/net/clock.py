@@ -82,14 +82,16 @@ class ClockProbe:
         self._warned = False
 
     def check_at_start(self) -> Optional[ClockEstimate]:
-        """Measure once; refuse a clock hivemind's DHT would not accept.
+        """Measure once; refuse a clock that most of the measured peers' DHTs would not accept.
 
-        :raises NetworkError: when the offset exceeds hivemind's tolerance, ``MAX_CLOCK_OFFSET`` (exit code 3)
+        :raises NetworkError: when most measured peers are more than hivemind's tolerance,
+            ``MAX_CLOCK_OFFSET``, from our clock (exit code 3)
         """
         estimate = self.measure()
-        if estimate is not None and abs(estimate.offset) > MAX_CLOCK_OFFSET:
+        if estimate is not None and estimate.refused:
             raise NetworkError(
-                f"this machine's clock is {estimate.describe()}; hivemind's DHT accepts peers at most "
+                f"this machine's clock is {estimate.describe()}, more than {MAX_CLOCK_OFFSET:.0f} s from {estimate.far} "
+                f"of the {estimate.measured} peer(s) measured; hivemind's DHT accepts peers at most "
                 f"{MAX_CLOCK_OFFSET:.0f} s apart: enable NTP (e.g. 'timedatectl set-ntp true' or chrony) and start again")
         return estimate
 

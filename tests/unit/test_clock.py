@@ -22,8 +22,8 @@ def test_each_peer_counts_once_with_its_shortest_exchange_and_the_median_wins():
         ClockSample("c", 10.0, 7.5, 10.0),  # c: 2.5
     ]
     estimate = estimate_offset(samples)
-    assert estimate.peers == 3
-    assert estimate.offset == pytest.approx(2.0)
+    assert estimate.peers == 3 and estimate.measured == 4 and estimate.far == 1 and not estimate.refused
+    assert estimate.offset == pytest.approx(1.95)  # the median of 2.0, 1.9, 2.5 and our own clock's 0
     assert estimate.error == pytest.approx(0.0)
     assert estimate_offset([]) is None
 
@@ -38,7 +38,25 @@ def test_a_peer_further_than_the_dht_accepts_from_the_median_is_left_out():
     # the far-off newcomer itself sees everyone 5 s away, consistently: it is not talked out of it
     far = estimate_offset([ClockSample(p, 10.0, 10.0 - behind, 10.0) for p, behind in
                            (("boot", 5.0), ("island-0", 5.0), ("ahead", 3.0), ("behind", 7.0))])
-    assert far.offset == 5.0 and far.peers == 4
+    assert far.offset == 5.0 and far.peers == 4 and far.refused  # 3 of the 4 are more than 3 s away
+
+
+def test_members_that_see_the_same_peers_agree_on_the_swarms_time_and_one_skewed_peer_refuses_nobody():
+    # a bootstrap node and island-0 on time, "ahead" 2 s ahead, "behind" 2 s behind; behind's DHT
+    # has met only the bootstrap node and ahead yet: the mean of those two, 3 s, is past the DHT's
+    # bound, but one of its two peers accepts it
+    def sees(own: float, **clocks: float):
+        return estimate_offset([ClockSample(p, 10.0 + own, 10.0 + clock, 10.0 + own) for p, clock in clocks.items()])
+
+    behind = sees(-2.0, boot=0.0, ahead=2.0)
+    assert behind.offset == -2.0 and behind.far == 1 and not behind.refused
+    island_0, ahead = sees(0.0, boot=0.0, ahead=2.0), sees(2.0, boot=0.0, island_0=0.0)
+    # swarm time (our clock minus the offset) is the same for all three: the median clock, on time
+    assert [0.0 - island_0.offset, 2.0 - ahead.offset, -2.0 - behind.offset] == [0.0, 0.0, 0.0]
+    # of a bootstrap node and ourselves, nobody can tell which clock is right: the swarm's time is
+    # between the two, and 5 s from our only peer is refused
+    lone = sees(5.0, boot=0.0)
+    assert lone.offset == 2.5 and lone.refused
 
 
 def test_describe_names_the_direction():
