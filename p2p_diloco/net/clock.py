@@ -3,7 +3,8 @@
 Every hivemind DHT node answers a ping with its wall time (``PingResponse.dht_time``), and hivemind
 refuses peers more than ``MAX_DHT_TIME_DISCREPANCY_SECONDS`` (3 s) apart. :class:`ClockProbe` pings
 up to 16 of the DHT's neighbours a few times each and turns the replies into a
-:class:`~p2p_diloco.algo.clock.ClockEstimate` (the median over peers of each peer's shortest exchange).
+:class:`~p2p_diloco.algo.clock.ClockEstimate` (the median over the peers, each by its shortest exchange, and
+our own clock).
 """
 
 from __future__ import annotations
@@ -68,7 +69,7 @@ def measure_offset(dht, *, max_peers: int = 16, repeats: int = 3, timeout: float
 
 class ClockProbe:
     """Keeps a :class:`SwarmClock` up to date: measures at start, again ``soon`` seconds later (the
-    DHT has met more peers by then: a median of two is their mean), then every ``every`` seconds.
+    DHT has met more peers by then: of few clocks, the median is close to their mean), then every ``every`` seconds.
 
     :param dht: a running ``hivemind.DHT``
     :param clock: the clock to update
