@@ -131,11 +131,11 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
     if args.islands < 3 or args.faults < 10 or args.minutes * 60 <= args.quiet + 60:
         parser.error("need 3 or more islands, 10 or more faults and a run longer than --quiet + 60 s")
+    if args.slowdown < 1.0:
+        parser.error("--slowdown must be 1 or more")
     faults = draw(args.faults, args.minutes * 60, args.islands, args.quiet, args.seed)
     out = Path(args.out)
     command = "scripts/make_chaos_schedule.py " + " ".join(argv if argv is not None else sys.argv[1:])
-    if args.slowdown < 1.0:
-        parser.error("--slowdown must be 1 or more")
     write(out, args.islands, args.minutes, args.period, faults, command, args.slowdown)
     baseline = out.with_name(out.stem + "_baseline" + out.suffix)
     write(baseline, args.islands, args.minutes, args.period, [], command, args.slowdown)

@@ -84,10 +84,10 @@ def estimate_offset(samples: Iterable[ClockSample]) -> Optional[ClockEstimate]:
     if not best:
         return None
     offsets = [s.offset for s in best.values()]
-    middle = statistics.median([0.0, *offsets])
+    middle = statistics.median([0.0, *offsets])  # our own clock is the 0.0
     chosen = [s for s in best.values() if abs(s.offset - middle) <= MAX_CLOCK_OFFSET]
-    clocks = [s.offset for s in chosen] + ([0.0] if abs(middle) <= MAX_CLOCK_OFFSET else [])
-    return ClockEstimate(offset=float(statistics.median(clocks or [middle])), peers=len(chosen),
+    clocks = [o for o in [0.0, *offsets] if abs(o - middle) <= MAX_CLOCK_OFFSET] or [middle]
+    return ClockEstimate(offset=float(statistics.median(clocks)), peers=len(chosen),
                          error=max((s.rtt for s in chosen), default=0.0) / 2.0, measured=len(offsets),
                          far=sum(abs(o) > MAX_CLOCK_OFFSET for o in offsets))
 
