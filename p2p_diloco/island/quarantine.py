@@ -133,6 +133,11 @@ class Quarantine:
         meeting it under the default group key first. Only islands this one never flagged: otherwise
         islands would re-adopt each other's flags and no probation would ever end.
 
+        An adopted flag lasts while a strict majority still holds it (and at most its own
+        probation): the others' probations began before ours, and the flag changes our group key,
+        so holding it alone after they lifted theirs kept a restarted island out of every round
+        for up to a whole probation (docs/CHAOS.md, run E: 2 minutes, all of its rounds alone).
+
         :param reports: (island, islands it flagged) of the other live islands
         :returns: the islands newly flagged
         """
@@ -140,10 +145,28 @@ class Quarantine:
         for culprit in sorted({c for _, flags in reports for c in flags}):
             if culprit == self.island or culprit in self.strikes:
                 continue  # ours to judge: we caught it (or adopted it) before, and its probation is ours
-            voters = [flags for island, flags in reports if island != culprit]
-            votes = sum(culprit in flags for flags in voters)
-            if voters and 2 * votes > len(voters) and self.flag(culprit, "adopted", now):
+            votes, voters = self._votes(reports, culprit)
+            if voters and 2 * votes > voters and self.flag(culprit, "adopted", now):
                 logger.warning("island %s was flagged by %d of %d other islands: its rounds are avoided",
-                               culprit, votes, len(voters))
+                               culprit, votes, voters)
                 adopted.append(culprit)
+        with self._lock:
+            held = [island for island in self.flagged if self.reasons.get(island) == "adopted"]
+        for culprit in held:
+            votes, voters = self._votes(reports, culprit)
+            if voters and 2 * votes <= voters:
+                self._release(culprit, f"{votes} of {voters} other islands still flag it")
         return adopted
+
+    @staticmethod
+    def _votes(reports: Sequence[tuple[str, Sequence[str]]], culprit: str) -> tuple[int, int]:
+        """(islands that flag ``culprit``, islands with a say: every reporter but the culprit)."""
+        voters = [flags for island, flags in reports if island != culprit]
+        return sum(culprit in flags for flags in voters), len(voters)
+
+    def _release(self, island: str, why: str) -> None:
+        with self._lock:
+            if self.flagged.pop(island, None) is None:
+                return
+        logger.warning("island %s: its adopted flag is lifted (%s): its rounds are no longer avoided", island, why)
+        self.events({"event": "unflag", "culprit": island, "how": "released"})

@@ -49,6 +49,12 @@ def test_a_killed_island_costs_goodput_not_alive_utilization():
                                  faults=faults + [{"t": 65, "kind": "corrupt", "island": "b"}])
     assert result.rejoin_seconds == [{"island": "b", "restarted": 60, "turned_faulty": 65, "first_round": None,
                                       "seconds": None}]
+    # nor is one killed again before it contributed: that life is timed to its kill, the next from its restart
+    again = [*faults, {"t": 66, "kind": "kill", "island": "b"}, {"t": 68, "kind": "restart", "island": "b"}]
+    result = figures.run_figures(events, start=0, end=100, alive=alive, frozen={}, faults=again)
+    assert result.rejoin_seconds == [
+        {"island": "b", "restarted": 60, "killed_again": 66, "lived_seconds": 6, "first_round": None, "seconds": None},
+        {"island": "b", "restarted": 68, "first_round": 70.0, "seconds": 2.0}]
 
 
 def test_a_pause_of_every_island_is_global_downtime_and_a_survivor_stall():

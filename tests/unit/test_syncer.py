@@ -226,6 +226,26 @@ def test_a_restarted_island_adopts_the_flags_of_a_majority():
     assert quarantine.adopt([("b", ["x"]), ("c", ["x"])], 1e9) == []  # no re-adopting: our own probation decides
 
 
+def test_an_adopted_flag_ends_when_the_majority_lifts_theirs():
+    """A restarted island adopted x's flag; the others' probations, begun earlier, end first. It lifts
+    its own then (not a whole probation later, alone under another group key), while a flag it caught
+    itself stays its own to end."""
+    events = []
+    quarantine = Quarantine(island="a", probation=60.0, slot_spacing=5.0, check_lead=1.0, events=events.append)
+    assert quarantine.adopt([("b", ["x"]), ("c", ["x"]), ("d", [])], 0.0) == ["x"]
+    quarantine.flag("y", "caught", 0.0)
+    assert quarantine.adopt([("b", ["x", "y"]), ("c", ["x"]), ("d", [])], 5.0) == [] and "x" in quarantine
+    assert quarantine.adopt([], 6.0) == [] and "x" in quarantine  # a failed read lifts nothing
+    assert quarantine.adopt([("b", ["x"]), ("c", []), ("d", [])], 10.0) == []  # 1 of 3: no majority left
+    assert "x" not in quarantine and "y" in quarantine  # y: caught by us, our probation decides
+    assert events[-1] == {"event": "unflag", "culprit": "x", "how": "released"}
+    only_y = Quarantine(island="e", probation=60.0, slot_spacing=5.0, check_lead=1.0)
+    only_y.flag("y", "caught", 0.0)
+    assert quarantine.group_bits(10.0) == only_y.group_bits(10.0)  # it meets those that avoid y alone
+    # lifted, x is never re-adopted from the others' word (islands would keep each other's flags alive)
+    assert quarantine.adopt([("b", ["x"]), ("c", ["x"]), ("d", ["x"])], 20.0) == [] and "x" not in quarantine
+
+
 def _member(island, **fields):
     # 1000 tokens in 1 step: weight 1000^2 / 1 / WEIGHT_UNIT = 1.0
     return {"island": island, "version": 0, "hash": "h", "weight": 1.0, "tokens": 1000, "steps": 1, "delta_max": 0.5,
