@@ -1,4 +1,4 @@
-"""The lab's subcommands of ``p2p-diloco`` (``chaos``), registered as entry points of the group
+"""The lab's subcommands of ``p2p-diloco`` (``chaos``, ``simulate``), registered as entry points of the group
 ``p2p_diloco.commands`` (pyproject.toml): the CLI lists and runs them without importing the lab,
 so nothing outside the lab imports it (docs/DESIGN.md, "Layers")."""
 
@@ -75,4 +75,122 @@ CHAOS = Command(
     "failure, time to rejoin) and timeline.png to the output folder.",
     add_arguments=_chaos_arguments,
     run=run_chaos,
+)
+
+
+def _simulate_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--paper", action="store_true",
+                        help="simulate every cell of Decoupled DiLoCo's goodput table and print it beside the paper's")
+    parser.add_argument("--arm", choices=["dp", "elastic", "learners"], default="learners")
+    parser.add_argument("--chips", type=int, default=150_000, metavar="N")
+    parser.add_argument("--learners", type=int, default=8, metavar="M", help="learners (the learners arm)")
+    parser.add_argument("--learner-mode", choices=["elastic", "rigid"], default="elastic",
+                        help="a learner drops a failed slice (elastic) or restarts whole (rigid)")
+    parser.add_argument("--slice-chips", type=int, metavar="N", help="chips per slice (default: the paper fit's)")
+    parser.add_argument("--chip-mtbi-days", type=float, default=365.0, metavar="D",
+                        help="mean time between interruptions of one chip, days (default: a year)")
+    parser.add_argument("--repair-s", type=float, metavar="S", help="seconds until a failed slice is back")
+    parser.add_argument("--restart-s", type=float, metavar="S", help="seconds of a rigid job's restart")
+    parser.add_argument("--resize-s", type=float, metavar="S", help="seconds of an elastic job's pause per change")
+    parser.add_argument("--checkpoint-s", type=float, default=0.0, metavar="S",
+                        help="a rigid job's checkpoint interval (work since the last one is lost; 0: none)")
+    parser.add_argument("--step-s", type=float, default=1.0, metavar="S")
+    parser.add_argument("--step-sd-s", type=float, default=0.0, metavar="S", help="spread of a slice's step time")
+    parser.add_argument("--outer-period-s", type=float, default=600.0, metavar="S")
+    parser.add_argument("--fragments", type=int, default=1, metavar="P")
+    parser.add_argument("--quorum", type=int, default=1, metavar="K")
+    parser.add_argument("--grace-s", type=float, default=0.0, metavar="S")
+    parser.add_argument("--hours", type=float, default=24.0 * 7, metavar="H", help="simulated wall time")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--out", default="", metavar="DIR", help="also write results.json and goodput.png here")
+
+
+def run_simulate(args: argparse.Namespace, stop) -> int:
+    """``p2p-diloco simulate``: one simulated job, or the paper's whole table (``--paper``).
+
+    :returns: 0 done, 130 interrupted
+    :raises p2p_diloco.errors.ConfigError: values the simulator refuses
+    """
+    import itertools
+    from pathlib import Path
+
+    from pydantic import ValidationError
+    from rich.console import Console
+    from rich.progress import BarColumn, Progress, TextColumn, TimeRemainingColumn
+
+    from p2p_diloco.errors import ConfigError
+    from p2p_diloco.files import write_json
+    from p2p_diloco.lab import simulate as sim
+    from p2p_diloco.lab.plots import plot_goodput_vs_chips
+
+    given = {key: value for key, value in (("slice_chips", args.slice_chips), ("repair_s", args.repair_s),
+                                            ("restart_s", args.restart_s), ("resize_s", args.resize_s))
+             if value is not None}
+
+    try:  # every value is checked before the simulation starts
+        if args.paper:
+            overrides = {"chip_mtbi_s": args.chip_mtbi_days * 86400, **given}
+            for (arm, learners), chips in itertools.product(sim.PAPER_GOODPUT, sim.PAPER_CHIPS):
+                sim.paper_config(arm, chips, learners, hours=args.hours, seed=args.seed, **overrides)
+        else:
+            config = sim.paper_config(
+                args.arm, args.chips, args.learners if args.arm == "learners" else 1,
+                learner_mode=args.learner_mode, chip_mtbi_s=args.chip_mtbi_days * 86400,
+                checkpoint_s=args.checkpoint_s, step_s=args.step_s, step_sd_s=args.step_sd_s,
+                outer_period_s=args.outer_period_s, fragments=args.fragments, quorum=args.quorum,
+                grace_s=args.grace_s, hours=args.hours, seed=args.seed, **given)
+    except ValidationError as e:
+        from p2p_diloco.flags import format_validation_error
+
+        raise ConfigError(format_validation_error(e)) from None
+
+    def interrupted(done: float) -> None:
+        if stop.event.is_set():
+            raise KeyboardInterrupt
+        bar.update(task, completed=done)
+
+    try:
+        with Progress(TextColumn("simulating"), BarColumn(), TimeRemainingColumn(), transient=True,
+                      console=Console(stderr=True)) as bar:
+            task = bar.add_task("simulate", total=1.0)
+            if args.paper:
+                rows = sim.paper_table(hours=args.hours, seed=args.seed, progress=interrupted, **overrides)
+            else:
+                result = sim.simulate(config, progress=interrupted)
+    except KeyboardInterrupt:
+        return 130
+    if not args.paper:
+        print(f"{sim.arm_label(config.arm, config.learners)}, {config.chips:,} chips: goodput "
+              f"{100 * result.goodput:.1f}%, uptime {100 * result.uptime:.2f}%, {result.failures:,} slice failures "
+              f"in {config.hours:g} h, rounds {result.rounds_ok:,} ok / {result.rounds_fallback:,} fallback")
+        rows = [{"label": sim.arm_label(config.arm, config.learners), "chips": config.chips,
+                 "ours": round(100 * result.goodput, 1), "paper": None, **result.__dict__}]
+    else:
+        labels = list(dict.fromkeys(row["label"] for row in rows))
+        print("| arm | " + " | ".join(f"{chips // 1000:,}k" for chips in sim.PAPER_CHIPS) + " |")
+        print("|---|" + "---|" * len(sim.PAPER_CHIPS))
+        for label in labels:
+            cells = [row for row in rows if row["label"] == label]
+            print(f"| {label} | " + " | ".join(f"{row['ours']:.1f} ({row['paper']})" for row in cells) + " |")
+        worst = max(rows, key=lambda row: abs(row["ours"] - row["paper"]))
+        print(f"ours (paper's) goodput, %; largest gap {abs(worst['ours'] - worst['paper']):.1f} points "
+              f"({worst['label']}, {worst['chips']:,} chips)")
+    if args.out:
+        out = Path(args.out)
+        out.mkdir(parents=True, exist_ok=True)
+        write_json(out / "results.json", {"args": {k: v for k, v in vars(args).items() if k != "lab_command"},
+                                          "rows": rows})
+        plot_goodput_vs_chips(rows, out / "goodput.png", "goodput under failures (simulated)")
+        print(f"wrote {out}/results.json and {out}/goodput.png")
+    return 0
+
+
+SIMULATE = Command(
+    help="simulate a training job's goodput under hardware failures (data-parallel, elastic, M learners)",
+    description="A discrete-event simulation of chips that fail and come back: data-parallel training stops "
+    "for every failure, elastic data-parallel pauses to drop and re-add slices, and M independent learners "
+    "(Decoupled DiLoCo) lose only their own slices while the outer rounds run on the swarm's clock. --paper "
+    "reproduces the goodput table of arXiv 2604.21428 with the assumptions of docs/SCALE.md.",
+    add_arguments=_simulate_arguments,
+    run=run_simulate,
 )

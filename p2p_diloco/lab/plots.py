@@ -136,6 +136,33 @@ def plot_compare(rows: Sequence[dict], out_path: Path, title: str) -> Path:
     return _save(fig, out_path)
 
 
+def plot_goodput_vs_chips(rows: Sequence[dict], out_path: Path, title: str) -> Path:
+    """Goodput (%) against chips, one colour per arm: ours solid, the paper's dashed where given (PNG).
+
+    :param rows: {label, chips, ours, paper (or None)} per cell (:func:`p2p_diloco.lab.simulate.paper_table`)
+    """
+    plt = _pyplot()
+    fig, ax = plt.subplots(figsize=(8, 5), dpi=120)
+    colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
+    labels = list(dict.fromkeys(row["label"] for row in rows))
+    for index, label in enumerate(labels):
+        cells = sorted((row for row in rows if row["label"] == label), key=lambda row: row["chips"])
+        chips = [row["chips"] for row in cells]
+        color = colors[index % len(colors)]
+        ax.plot(chips, [row["ours"] for row in cells], marker="o", lw=1.5, color=color, label=f"{label} (ours)")
+        if all(row.get("paper") is not None for row in cells):
+            ax.plot(chips, [row["paper"] for row in cells], ls="--", marker="x", lw=1, color=color,
+                    label=f"{label} (paper)")
+    ax.set_xscale("log")
+    ax.set_xlabel("chips")
+    ax.set_ylabel("goodput (%)")
+    ax.set_ylim(0, 100)
+    ax.set_title(title)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=7, ncol=2)
+    return _save(fig, out_path)
+
+
 def _pyplot():
     """matplotlib's pyplot on the Agg backend (no display)."""
     import matplotlib
