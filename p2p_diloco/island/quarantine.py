@@ -17,6 +17,7 @@ from typing import Callable, Optional, Sequence
 logger = logging.getLogger(__name__)
 
 MAX_WATCHED = 1024  # (island, kind) windows kept at most (an open run's names are not authenticated)
+RELEASE_READS = 2  # reads of the records in a row without a majority that lift an adopted flag
 
 
 class Quarantine:
@@ -44,6 +45,7 @@ class Quarantine:
         self.strikes: dict[str, int] = {}  # times each island was flagged
         self.outlier_rounds = outlier_rounds
         self._outliers: dict[tuple, deque] = {}  # (island, kind) -> its last 2n - 1 rounds with us: outlier or not
+        self._unheld: dict[str, int] = {}  # adopted flag -> reads in a row without a majority holding it
         self._lock = threading.Lock()  # round threads catch, the reporter's thread adopts
 
     def __contains__(self, island: str) -> bool:
@@ -136,7 +138,11 @@ class Quarantine:
         An adopted flag lasts while a strict majority still holds it (and at most its own
         probation): the others' probations began before ours, and the flag changes our group key,
         so holding it alone after they lifted theirs kept a restarted island out of every round
-        for up to a whole probation (docs/CHAOS.md, run E: 2 minutes, all of its rounds alone).
+        for up to a whole probation (docs/CHAOS.md, run E: 2 minutes, all of its rounds alone). It
+        is lifted after :data:`RELEASE_READS` reads in a row without such a majority, so that one
+        read that missed the holders' records lifts nothing. Lifted, it is not adopted again: if
+        the others catch the island again, this one meets it alone under the default key and
+        catches it itself (docs/SECURITY.md, "What stays open").
 
         :param reports: (island, islands it flagged) of the other live islands
         :returns: the islands newly flagged
@@ -154,8 +160,14 @@ class Quarantine:
             held = [island for island in self.flagged if self.reasons.get(island) == "adopted"]
         for culprit in held:
             votes, voters = self._votes(reports, culprit)
-            if voters and 2 * votes <= voters:
+            if not voters:
+                continue  # (no record read: no word either way)
+            if 2 * votes > voters:
+                self._unheld.pop(culprit, None)
+            elif self._unheld.setdefault(culprit, 0) + 1 >= RELEASE_READS:
                 self._release(culprit, f"{votes} of {voters} other islands still flag it")
+            else:
+                self._unheld[culprit] += 1
         return adopted
 
     @staticmethod
@@ -165,8 +177,10 @@ class Quarantine:
         return sum(culprit in flags for flags in voters), len(voters)
 
     def _release(self, island: str, why: str) -> None:
-        with self._lock:
-            if self.flagged.pop(island, None) is None:
+        with self._lock:  # (a round thread may have ended its probation and caught it since: not ours to lift)
+            self._unheld.pop(island, None)
+            if island not in self.flagged or self.reasons.get(island) != "adopted":
                 return
+            del self.flagged[island]
         logger.warning("island %s: its adopted flag is lifted (%s): its rounds are no longer avoided", island, why)
         self.events({"event": "unflag", "culprit": island, "how": "released"})

@@ -78,13 +78,20 @@ CHAOS = Command(
 )
 
 
+# the flags of one simulated job (--paper sets its own) and their defaults
+SINGLE_JOB = {"arm": "learners", "chips": 150_000, "learners": 8, "learner_mode": "elastic", "checkpoint_s": 0.0,
+              "step_s": 1.0, "step_sd_s": 0.0, "outer_period_s": 600.0, "fragments": 1, "quorum": 2, "grace_s": 0.0}
+
+
 def _simulate_arguments(parser: argparse.ArgumentParser) -> None:
+    job = SINGLE_JOB
     parser.add_argument("--paper", action="store_true",
-                        help="simulate every cell of Decoupled DiLoCo's goodput table and print it beside the paper's")
-    parser.add_argument("--arm", choices=["dp", "elastic", "learners"], default="learners")
-    parser.add_argument("--chips", type=int, default=150_000, metavar="N")
-    parser.add_argument("--learners", type=int, default=8, metavar="M", help="learners (the learners arm)")
-    parser.add_argument("--learner-mode", choices=["elastic", "rigid"], default="elastic",
+                        help="simulate every cell of Decoupled DiLoCo's goodput table and print it beside the paper's "
+                        "(the arms, sizes and rounds are the table's: only the failure and repair flags apply)")
+    parser.add_argument("--arm", choices=["dp", "elastic", "learners"], default=job["arm"])
+    parser.add_argument("--chips", type=int, default=job["chips"], metavar="N")
+    parser.add_argument("--learners", type=int, default=job["learners"], metavar="M", help="learners (the learners arm)")
+    parser.add_argument("--learner-mode", choices=["elastic", "rigid"], default=job["learner_mode"],
                         help="a learner drops a failed slice (elastic) or restarts whole (rigid)")
     parser.add_argument("--slice-chips", type=int, metavar="N", help="chips per slice (default: the paper fit's)")
     parser.add_argument("--chip-mtbi-days", type=float, default=365.0, metavar="D",
@@ -92,14 +99,16 @@ def _simulate_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--repair-s", type=float, metavar="S", help="seconds until a failed slice is back")
     parser.add_argument("--restart-s", type=float, metavar="S", help="seconds of a rigid job's restart")
     parser.add_argument("--resize-s", type=float, metavar="S", help="seconds of an elastic job's pause per change")
-    parser.add_argument("--checkpoint-s", type=float, default=0.0, metavar="S",
+    parser.add_argument("--checkpoint-s", type=float, default=job["checkpoint_s"], metavar="S",
                         help="a rigid job's checkpoint interval (work since the last one is lost; 0: none)")
-    parser.add_argument("--step-s", type=float, default=1.0, metavar="S")
-    parser.add_argument("--step-sd-s", type=float, default=0.0, metavar="S", help="spread of a slice's step time")
-    parser.add_argument("--outer-period-s", type=float, default=600.0, metavar="S")
-    parser.add_argument("--fragments", type=int, default=1, metavar="P")
-    parser.add_argument("--quorum", type=int, default=1, metavar="K")
-    parser.add_argument("--grace-s", type=float, default=0.0, metavar="S")
+    parser.add_argument("--step-s", type=float, default=job["step_s"], metavar="S")
+    parser.add_argument("--step-sd-s", type=float, default=job["step_sd_s"], metavar="S",
+                        help="spread of a slice's step time")
+    parser.add_argument("--outer-period-s", type=float, default=job["outer_period_s"], metavar="S")
+    parser.add_argument("--fragments", type=int, default=job["fragments"], metavar="P")
+    parser.add_argument("--quorum", type=int, default=job["quorum"], metavar="K",
+                        help="learners a round needs (at least 2 in any case)")
+    parser.add_argument("--grace-s", type=float, default=job["grace_s"], metavar="S")
     parser.add_argument("--hours", type=float, default=24.0 * 7, metavar="H", help="simulated wall time")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", default="", metavar="DIR", help="also write results.json and goodput.png here")
@@ -112,6 +121,8 @@ def run_simulate(args: argparse.Namespace, stop) -> int:
     :raises p2p_diloco.errors.ConfigError: values the simulator refuses
     """
     import itertools
+    import math
+    import tempfile
     from pathlib import Path
 
     from pydantic import ValidationError
@@ -126,6 +137,20 @@ def run_simulate(args: argparse.Namespace, stop) -> int:
     given = {key: value for key, value in (("slice_chips", args.slice_chips), ("repair_s", args.repair_s),
                                             ("restart_s", args.restart_s), ("resize_s", args.resize_s))
              if value is not None}
+    if not (math.isfinite(args.chip_mtbi_days) and args.chip_mtbi_days > 0):
+        raise ConfigError(f"--chip-mtbi-days must be a positive number of days (got {args.chip_mtbi_days})")
+    if args.paper:
+        ignored = [f"--{key.replace('_', '-')}" for key, default in SINGLE_JOB.items() if getattr(args, key) != default]
+        if ignored:
+            raise ConfigError(f"--paper simulates the table's own arms, sizes and rounds: drop {' '.join(ignored)}")
+    out = Path(args.out) if args.out else None
+    if out is not None:  # before the simulation, not after it
+        try:
+            out.mkdir(parents=True, exist_ok=True)
+            with tempfile.TemporaryFile(dir=out):
+                pass
+        except OSError as e:
+            raise ConfigError(f"cannot write to --out {args.out}: {e.strerror or e}") from None
 
     try:  # every value is checked before the simulation starts
         if args.paper:
@@ -175,9 +200,7 @@ def run_simulate(args: argparse.Namespace, stop) -> int:
         worst = max(rows, key=lambda row: abs(row["ours"] - row["paper"]))
         print(f"ours (paper's) goodput, %; largest gap {abs(worst['ours'] - worst['paper']):.1f} points "
               f"({worst['label']}, {worst['chips']:,} chips)")
-    if args.out:
-        out = Path(args.out)
-        out.mkdir(parents=True, exist_ok=True)
+    if out is not None:
         write_json(out / "results.json", {"args": {k: v for k, v in vars(args).items() if k != "lab_command"},
                                           "rows": rows})
         plot_goodput_vs_chips(rows, out / "goodput.png", "goodput under failures (simulated)")

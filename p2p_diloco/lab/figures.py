@@ -210,9 +210,11 @@ def run_figures(
                             "turned_faulty": round(turned, 3), "first_round": None, "seconds": None})
             continue
         # one killed again before it contributed is not timed past that kill (its next life is timed
-        # from its own restart); how long it lived says whether it missed the 60 s target all the same
-        killed = min((f["t"] for f in faults if f["kind"] in ("kill", "kill_donor") and f.get("island") == fault["island"]
-                      and fault["t"] < f["t"] < (first or math.inf)), default=None)
+        # from its own restart); how long it lived says whether it missed the 60 s target all the same.
+        # (A joiner killed by a kill_donor fault shows only as its next restart)
+        killed = min((f["t"] for f in faults if f.get("island") == fault["island"]
+                      and f["kind"] in ("kill", "kill_donor", "restart") and fault["t"] < f["t"] < (first or math.inf)),
+                     default=None)
         if killed is not None:
             rejoins.append({"island": fault["island"], "restarted": round(fault["t"], 3),
                             "killed_again": round(killed, 3), "lived_seconds": round(killed - fault["t"], 3),

@@ -20,8 +20,9 @@ values):
   (``learner_mode="elastic"``) or a rigid one that restarts like data-parallel (``"rigid"``). A
   learner's failure costs only its own slices: no learner ever waits for another, and the outer
   rounds run on the product's round clock (:class:`p2p_diloco.algo.schedule.RoundClock`): a round
-  at its slot is ``ok`` with at least ``quorum`` training learners (below it, those training by the
-  end of the grace window count too), else each learner steps on its own update (``fallback``).
+  at its slot is ``ok`` with at least ``quorum`` training learners, and never fewer than 2, as the
+  islands' (below it, those training at the end of the grace window count too), else each learner
+  steps on its own update (``fallback``). Rounds never cost goodput: no learner waits for one.
 
 Goodput is useful chip-seconds over chips x wall time (docs/DESIGN.md, "Metrics"); stragglers cost
 each job the ratio of the mean step to the expected slowest of its slices' steps (independent
@@ -47,7 +48,7 @@ YEAR_S = 365.0 * 24 * 3600
 class SimConfig(BaseModel):
     """One simulated job (seconds throughout)."""
 
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)
 
     chips: int = Field(gt=0)
     arm: Literal["dp", "elastic", "learners"]
@@ -64,7 +65,7 @@ class SimConfig(BaseModel):
     step_sd_s: float = Field(default=0.0, ge=0)
     outer_period_s: float = Field(default=600.0, gt=0)
     fragments: int = Field(default=1, ge=1)
-    quorum: int = Field(default=1, ge=1)
+    quorum: int = Field(default=2, ge=1, description="K; a round needs at least 2 members in any case")
     grace_s: float = Field(default=0.0, ge=0)
     hours: float = Field(default=24.0 * 7, gt=0)
     seed: int = 0
@@ -143,7 +144,7 @@ class Simulation:
         self.rng = random.Random(config.seed)
         self.horizon = config.hours * 3600.0
         self.slices = config.chips // config.slice_chips
-        self.down_until = [0.0] * self.slices  # > now: the slice is down
+        self.down = [False] * self.slices
         groups = 1 if config.arm in ("dp", "elastic") else config.learners
         per = self.slices // groups
         elastic = config.arm == "elastic" or (config.arm == "learners" and config.learner_mode == "elastic")
@@ -199,10 +200,10 @@ class Simulation:
 
     def _on_fail(self, t: float, s: int) -> None:
         self._next_failure(t)
-        if self.down_until[s] > t:
-            return  # down already
+        if self.down[s]:
+            return  # down already: its repair is under way
         self.failures += 1
-        self.down_until[s] = t + self.config.repair_s
+        self.down[s] = True
         self._push(t + self.config.repair_s, "repair", s)
         job = self.jobs[self.job_of[s]]
         job.advance(t)
@@ -223,8 +224,7 @@ class Simulation:
             job.state, job.token = "down", job.token + 1
 
     def _on_repair(self, t: float, s: int) -> None:
-        if self.down_until[s] > t:
-            return  # (failed again: a later repair is queued)
+        self.down[s] = False
         job = self.jobs[self.job_of[s]]
         job.advance(t)
         job.up += 1
@@ -258,8 +258,8 @@ class Simulation:
         clock = RoundClock(config.outer_period_s, config.fragments)
         self._push(clock.slot_time(fragment, index + 1), "slot", fragment, index + 1)
         members = frozenset(i for i, job in enumerate(self.jobs) if job.training())
-        if len(members) < config.quorum and config.grace_s > 0:
-            self._push(t + config.grace_s, "grace_end", members)  # those training by its end count too
+        if len(members) < max(config.quorum, 2) and config.grace_s > 0:
+            self._push(t + config.grace_s, "grace_end", members)  # those training at its end count too
         else:
             self._count_round(len(members))
 
@@ -267,7 +267,7 @@ class Simulation:
         self._count_round(len(members | {i for i, job in enumerate(self.jobs) if job.training()}))
 
     def _count_round(self, members: int) -> None:
-        if members >= self.config.quorum:
+        if members >= max(self.config.quorum, 2):  # (a lone learner's round falls back, as an island's)
             self.rounds_ok += 1
         else:
             self.rounds_fallback += 1

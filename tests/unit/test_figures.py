@@ -55,6 +55,11 @@ def test_a_killed_island_costs_goodput_not_alive_utilization():
     assert result.rejoin_seconds == [
         {"island": "b", "restarted": 60, "killed_again": 66, "lived_seconds": 6, "first_round": None, "seconds": None},
         {"island": "b", "restarted": 68, "first_round": 70.0, "seconds": 2.0}]
+    # a joiner restarted by a kill_donor fault shows only as its next restart: that ends the timing too
+    again = [*faults, {"t": 67, "kind": "restart", "island": "b", "why": "kill_donor"}]
+    result = figures.run_figures(events, start=0, end=100, alive=alive, frozen={}, faults=again)
+    assert result.rejoin_seconds[0] == {"island": "b", "restarted": 60, "killed_again": 67, "lived_seconds": 7,
+                                        "first_round": None, "seconds": None}
 
 
 def test_a_pause_of_every_island_is_global_downtime_and_a_survivor_stall():

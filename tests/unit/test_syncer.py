@@ -228,22 +228,29 @@ def test_a_restarted_island_adopts_the_flags_of_a_majority():
 
 def test_an_adopted_flag_ends_when_the_majority_lifts_theirs():
     """A restarted island adopted x's flag; the others' probations, begun earlier, end first. It lifts
-    its own then (not a whole probation later, alone under another group key), while a flag it caught
-    itself stays its own to end."""
+    its own after two reads in a row without a majority (not a whole probation later, alone under
+    another group key), while a flag it caught itself stays its own to end."""
     events = []
     quarantine = Quarantine(island="a", probation=60.0, slot_spacing=5.0, check_lead=1.0, events=events.append)
     assert quarantine.adopt([("b", ["x"]), ("c", ["x"]), ("d", [])], 0.0) == ["x"]
     quarantine.flag("y", "caught", 0.0)
-    assert quarantine.adopt([("b", ["x", "y"]), ("c", ["x"]), ("d", [])], 5.0) == [] and "x" in quarantine
+    # x's own record has no say: 2 of 3, held
+    assert quarantine.adopt([("b", ["x", "y"]), ("c", ["x"]), ("d", []), ("x", [])], 5.0) == [] and "x" in quarantine
     assert quarantine.adopt([], 6.0) == [] and "x" in quarantine  # a failed read lifts nothing
-    assert quarantine.adopt([("b", ["x"]), ("c", []), ("d", [])], 10.0) == []  # 1 of 3: no majority left
+    assert quarantine.adopt([("d", [])], 7.0) == [] and "x" in quarantine  # one read without the holders: held
+    assert quarantine.adopt([("b", ["x"]), ("c", ["x"]), ("d", [])], 8.0) == [] and "x" in quarantine
+    assert quarantine.adopt([("b", ["x"]), ("c", []), ("d", [])], 10.0) == [] and "x" in quarantine  # 1 of 3, once
+    assert quarantine.adopt([("b", ["x"]), ("c", [])], 11.0) == []  # 1 of 2 (a tie is no majority), twice in a row
     assert "x" not in quarantine and "y" in quarantine  # y: caught by us, our probation decides
     assert events[-1] == {"event": "unflag", "culprit": "x", "how": "released"}
     only_y = Quarantine(island="e", probation=60.0, slot_spacing=5.0, check_lead=1.0)
     only_y.flag("y", "caught", 0.0)
-    assert quarantine.group_bits(10.0) == only_y.group_bits(10.0)  # it meets those that avoid y alone
+    assert quarantine.group_bits(11.0) == only_y.group_bits(11.0)  # it meets those that avoid y alone
     # lifted, x is never re-adopted from the others' word (islands would keep each other's flags alive)
     assert quarantine.adopt([("b", ["x"]), ("c", ["x"]), ("d", ["x"])], 20.0) == [] and "x" not in quarantine
+    # y was caught, never adopted: no majority of the others' word lifts it
+    assert quarantine.adopt([("b", []), ("c", []), ("d", [])], 21.0) == [] and quarantine.adopt([("b", [])], 22.0) == []
+    assert "y" in quarantine
 
 
 def _member(island, **fields):
