@@ -164,10 +164,10 @@ class Quarantine:
                 continue  # (no record read: no word either way)
             if 2 * votes > voters:
                 self._unheld.pop(culprit, None)
-            elif self._unheld.setdefault(culprit, 0) + 1 >= RELEASE_READS:
+                continue
+            self._unheld[culprit] = self._unheld.get(culprit, 0) + 1
+            if self._unheld[culprit] >= RELEASE_READS:
                 self._release(culprit, f"{votes} of {voters} other islands still flag it")
-            else:
-                self._unheld[culprit] += 1
         return adopted
 
     @staticmethod

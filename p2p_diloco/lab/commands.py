@@ -120,7 +120,6 @@ def run_simulate(args: argparse.Namespace, stop) -> int:
     :returns: 0 done, 130 interrupted
     :raises p2p_diloco.errors.ConfigError: values the simulator refuses
     """
-    import itertools
     import math
     import tempfile
     from pathlib import Path
@@ -154,9 +153,7 @@ def run_simulate(args: argparse.Namespace, stop) -> int:
 
     try:  # every value is checked before the simulation starts
         if args.paper:
-            overrides = {"chip_mtbi_s": args.chip_mtbi_days * 86400, **given}
-            for (arm, learners), chips in itertools.product(sim.PAPER_GOODPUT, sim.PAPER_CHIPS):
-                sim.paper_config(arm, chips, learners, hours=args.hours, seed=args.seed, **overrides)
+            cells = sim.paper_cells(chip_mtbi_s=args.chip_mtbi_days * 86400, hours=args.hours, seed=args.seed, **given)
         else:
             config = sim.paper_config(
                 args.arm, args.chips, args.learners if args.arm == "learners" else 1,
@@ -179,7 +176,7 @@ def run_simulate(args: argparse.Namespace, stop) -> int:
                       console=Console(stderr=True)) as bar:
             task = bar.add_task("simulate", total=1.0)
             if args.paper:
-                rows = sim.paper_table(hours=args.hours, seed=args.seed, progress=interrupted, **overrides)
+                rows = sim.paper_table(cells, progress=interrupted)
             else:
                 result = sim.simulate(config, progress=interrupted)
     except KeyboardInterrupt:

@@ -202,27 +202,25 @@ def run_figures(
         rounds = [e for e in events.get(fault["island"], []) if e.get("event") == "round"
                   and e.get("outcome") == "ok" and e.get("contributed") and e["t_end"] > fault["t"]]
         first = min((e.get("t_merged", e["t_end"]) for e in rounds), default=None)
-        # one that turned faulty before it contributed cannot contribute (its rounds are rejected)
-        turned = min((f["t"] for f in faults if f["kind"] == "corrupt" and f.get("island") == fault["island"]
-                      and fault["t"] < f["t"] < (first or math.inf)), default=None)
+
+        def next_fault(kinds):
+            return min((f["t"] for f in faults if f["kind"] in kinds and f.get("island") == fault["island"]
+                        and fault["t"] < f["t"] < (first or math.inf)), default=None)
+
+        entry = {"island": fault["island"], "restarted": round(fault["t"], 3)}
+        # one that turned faulty before it contributed cannot contribute (its rounds are rejected); one
+        # killed again before it contributed is not timed past that kill (its next life is timed from its
+        # own restart), and how long it lived says whether it missed the 60 s target all the same (a
+        # joiner killed by a kill_donor fault shows only as its next restart)
+        turned = next_fault(("corrupt",))
+        killed = None if turned is not None else next_fault(("kill", "kill_donor", "restart"))
         if turned is not None:
-            rejoins.append({"island": fault["island"], "restarted": round(fault["t"], 3),
-                            "turned_faulty": round(turned, 3), "first_round": None, "seconds": None})
-            continue
-        # one killed again before it contributed is not timed past that kill (its next life is timed
-        # from its own restart); how long it lived says whether it missed the 60 s target all the same.
-        # (A joiner killed by a kill_donor fault shows only as its next restart)
-        killed = min((f["t"] for f in faults if f.get("island") == fault["island"]
-                      and f["kind"] in ("kill", "kill_donor", "restart") and fault["t"] < f["t"] < (first or math.inf)),
-                     default=None)
-        if killed is not None:
-            rejoins.append({"island": fault["island"], "restarted": round(fault["t"], 3),
-                            "killed_again": round(killed, 3), "lived_seconds": round(killed - fault["t"], 3),
-                            "first_round": None, "seconds": None})
-            continue
-        rejoins.append({"island": fault["island"], "restarted": round(fault["t"], 3),
-                        "first_round": round(first, 3) if first else None,
-                        "seconds": round(first - fault["t"], 3) if first else None})
+            entry["turned_faulty"] = round(turned, 3)
+        elif killed is not None:
+            entry |= {"killed_again": round(killed, 3), "lived_seconds": round(killed - fault["t"], 3)}
+        timed = first is not None and turned is None and killed is None
+        rejoins.append(entry | {"first_round": round(first, 3) if timed else None,
+                                "seconds": round(first - fault["t"], 3) if timed else None})
     islands = len(events)
     return RunFigures(
         wall_seconds=wall, islands=islands, useful_seconds=useful,

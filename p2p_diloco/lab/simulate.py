@@ -32,7 +32,6 @@ normal step times of ``step_sd_s``). Uptime is the share of wall time in which s
 from __future__ import annotations
 
 import heapq
-import math
 import random
 import statistics
 from dataclasses import dataclass, field
@@ -41,6 +40,7 @@ from typing import Callable, Literal, Optional, Sequence
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from p2p_diloco.algo.schedule import RoundClock
+from p2p_diloco.lab.figures import length
 
 YEAR_S = 365.0 * 24 * 3600
 
@@ -105,7 +105,7 @@ def straggler_efficiency(slices: int, step_s: float, step_sd_s: float) -> float:
 class _Job:
     """A group of slices that trains together: the whole job (dp, elastic) or one learner."""
 
-    slices: list[int]
+    slices: int
     chips_per_slice: int
     elastic: bool
     efficiency: float
@@ -149,9 +149,9 @@ class Simulation:
         per = self.slices // groups
         elastic = config.arm == "elastic" or (config.arm == "learners" and config.learner_mode == "elastic")
         efficiency = straggler_efficiency(per, config.step_s, config.step_sd_s)
-        self.jobs = [_Job(list(range(g * per, (g + 1) * per)), config.slice_chips, elastic, efficiency, up=per)
-                     for g in range(groups)]
-        self.job_of = [s // per for s in range(self.slices)]
+        self.jobs = [_Job(per, config.slice_chips, elastic, efficiency, up=per) for _ in range(groups)]
+        self.slices_per_job = per  # slice s is job s // per's
+        self.clock = RoundClock(config.outer_period_s, config.fragments)
         self.queue: list = []
         self._seq = 0
         self.failures = 0
@@ -176,9 +176,8 @@ class Simulation:
         config = self.config
         self._next_failure(0.0)
         if config.arm == "learners":
-            clock = RoundClock(config.outer_period_s, config.fragments)
             for fragment in range(config.fragments):
-                slot = clock.next_slot(fragment, 0.0)
+                slot = self.clock.next_slot(fragment, 0.0)
                 self._push(slot.time, "slot", fragment, slot.index)
         processed = 0
         while self.queue and self.queue[0][0] < self.horizon:
@@ -191,7 +190,7 @@ class Simulation:
             job.advance(self.horizon)
         self.progress(1.0)
         useful = sum(job.useful for job in self.jobs)
-        training = _union_length([i for job in self.jobs for i in job.training_intervals])
+        training = length(i for job in self.jobs for i in job.training_intervals)
         return SimResult(goodput=useful / (config.chips * self.horizon), uptime=training / self.horizon,
                          failures=self.failures, rounds_ok=self.rounds_ok, rounds_fallback=self.rounds_fallback,
                          downtime_s=self.horizon - training)
@@ -205,41 +204,44 @@ class Simulation:
         self.failures += 1
         self.down[s] = True
         self._push(t + self.config.repair_s, "repair", s)
-        job = self.jobs[self.job_of[s]]
+        index = s // self.slices_per_job
+        job = self.jobs[index]
         job.advance(t)
         job.up -= 1
         if job.elastic:
-            self._pause(job, t)
+            self._pause(index, t)
         else:
             if job.state == "running" and self.config.checkpoint_s > 0:  # back to its last checkpoint
                 lost = job.run_since_checkpoint % self.config.checkpoint_s
-                job.useful -= lost * len(job.slices) * job.chips_per_slice * job.efficiency
+                job.useful -= lost * job.slices * job.chips_per_slice * job.efficiency
             job.run_since_checkpoint = 0.0
             if job.state == "restarting" and self.config.restart_absorbs:
                 end = max(job.restart_end, t + self.config.repair_s)
                 if end > job.restart_end:  # it waits for this slice too
                     job.restart_end, job.token = end, job.token + 1
-                    self._push(end, "restarted", self.job_of[s], job.token)
+                    self._push(end, "restarted", index, job.token)
                 return
             job.state, job.token = "down", job.token + 1
 
     def _on_repair(self, t: float, s: int) -> None:
         self.down[s] = False
-        job = self.jobs[self.job_of[s]]
+        index = s // self.slices_per_job
+        job = self.jobs[index]
         job.advance(t)
         job.up += 1
         if job.elastic:
-            self._pause(job, t)
-        elif job.up == len(job.slices) and job.state == "down":
+            self._pause(index, t)
+        elif job.up == job.slices and job.state == "down":
             job.state, job.token = "restarting", job.token + 1
             job.restart_end = t + self.config.restart_s
-            self._push(job.restart_end, "restarted", self.job_of[s], job.token)
+            self._push(job.restart_end, "restarted", index, job.token)
 
-    def _pause(self, job: _Job, t: float) -> None:
+    def _pause(self, index: int, t: float) -> None:
+        job = self.jobs[index]
         if job.state == "paused":
             return  # the resize under way applies this change too
         job.state = "paused"
-        self._push(t + self.config.resize_s, "resized", self.jobs.index(job))
+        self._push(t + self.config.resize_s, "resized", index)
 
     def _on_resized(self, t: float, index: int) -> None:
         job = self.jobs[index]
@@ -248,15 +250,14 @@ class Simulation:
 
     def _on_restarted(self, t: float, index: int, token: int) -> None:
         job = self.jobs[index]
-        if job.token != token or job.state != "restarting":
-            return  # a failure interrupted this restart
+        if job.token != token:
+            return  # a failure interrupted or postponed this restart
         job.advance(t)
         job.state = "running"
 
     def _on_slot(self, t: float, fragment: int, index: int) -> None:
         config = self.config
-        clock = RoundClock(config.outer_period_s, config.fragments)
-        self._push(clock.slot_time(fragment, index + 1), "slot", fragment, index + 1)
+        self._push(self.clock.slot_time(fragment, index + 1), "slot", fragment, index + 1)
         members = frozenset(i for i, job in enumerate(self.jobs) if job.training())
         if len(members) < max(config.quorum, 2) and config.grace_s > 0:
             self._push(t + config.grace_s, "grace_end", members)  # those training at its end count too
@@ -271,16 +272,6 @@ class Simulation:
             self.rounds_ok += 1
         else:
             self.rounds_fallback += 1
-
-
-def _union_length(intervals: list[tuple[float, float]]) -> float:
-    total, end = 0.0, -math.inf
-    for start, stop in sorted(intervals):
-        if stop <= end:
-            continue
-        total += stop - max(start, end)
-        end = stop
-    return total
 
 
 def simulate(config: SimConfig, **kwargs) -> SimResult:
@@ -320,18 +311,24 @@ def paper_config(arm: str, chips: int, learners: int = 1, **overrides) -> SimCon
     return SimConfig(arm=arm, chips=chips, learners=learners, **values)
 
 
-def paper_table(hours: float = 24.0 * 7, seed: int = 0, progress: Callable[[float], None] = lambda done: None,
-                **overrides) -> list[dict]:
-    """Every cell of the paper's table, simulated: rows of {arm, learners, label, chips, ours, paper,
-    failures} (goodput in percent). ``overrides`` as for :func:`paper_config`.
+def paper_cells(**overrides) -> list[tuple[SimConfig, int]]:
+    """Every cell of the paper's table as (its configuration, the paper's goodput in percent), all
+    built (so checked) before any runs. ``overrides`` as for :func:`paper_config`.
 
     :raises pydantic.ValidationError: overrides the simulator refuses
     """
-    cells = [(arm, m, chips, paper) for (arm, m), row in PAPER_GOODPUT.items() for chips, paper in zip(PAPER_CHIPS, row)]
+    return [(paper_config(arm, chips, m, **overrides), paper)
+            for (arm, m), row in PAPER_GOODPUT.items() for chips, paper in zip(PAPER_CHIPS, row)]
+
+
+def paper_table(cells: Sequence[tuple[SimConfig, int]],
+                progress: Callable[[float], None] = lambda done: None) -> list[dict]:
+    """:func:`paper_cells` simulated: rows of {arm, learners, label, chips, ours, paper, failures}
+    (goodput in percent)."""
     rows = []
-    for index, (arm, m, chips, paper) in enumerate(cells):
-        config = paper_config(arm, chips, m, hours=hours, seed=seed, **overrides)
+    for index, (config, paper) in enumerate(cells):
         result = simulate(config, progress=lambda done: progress((index + done) / len(cells)))
-        rows.append({"arm": arm, "learners": m, "label": arm_label(arm, m), "chips": chips,
-                     "ours": round(100 * result.goodput, 1), "paper": paper, "failures": result.failures})
+        rows.append({"arm": config.arm, "learners": config.learners, "label": arm_label(config.arm, config.learners),
+                     "chips": config.chips, "ours": round(100 * result.goodput, 1), "paper": paper,
+                     "failures": result.failures})
     return rows

@@ -9,7 +9,7 @@ import sys
 import pytest
 from pydantic import ValidationError
 
-from p2p_diloco.lab.simulate import PAPER_CHIPS, SimConfig, paper_table, simulate, straggler_efficiency
+from p2p_diloco.lab.simulate import PAPER_CHIPS, SimConfig, paper_cells, paper_table, simulate, straggler_efficiency
 
 HOUR = 3600.0
 BASE = dict(chips=1024, slice_chips=256, hours=10.0, repair_s=1800.0, restart_s=600.0, resize_s=60.0)
@@ -110,7 +110,7 @@ def test_configurations_that_do_not_split_are_refused():
 
 
 def test_the_papers_table_is_simulated_cell_by_cell_and_keeps_its_order():
-    rows = paper_table(hours=24.0)
+    rows = paper_table(paper_cells(hours=24.0))
     assert len(rows) == 30 and {row["label"] for row in rows} == {"data-parallel", "elastic data-parallel", "M = 2",
                                                                    "M = 4", "M = 8", "M = 16"}
     ours = {(row["label"], row["chips"]): row["ours"] for row in rows}
