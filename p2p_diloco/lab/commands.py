@@ -80,6 +80,7 @@ CHAOS = Command(
 
 # the flags of one simulated job (--paper sets its own) and their defaults
 SINGLE_JOB = {"arm": "learners", "chips": 150_000, "learners": 8, "learner_mode": "elastic", "checkpoint_s": 0.0,
+              "checkpoint_save_s": 0.0,
               "step_s": 1.0, "step_sd_s": 0.0, "outer_period_s": 600.0, "fragments": 1, "quorum": 2, "grace_s": 0.0}
 
 
@@ -88,6 +89,13 @@ def _simulate_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--paper", action="store_true",
                         help="simulate every cell of Decoupled DiLoCo's goodput table and print it beside the paper's "
                         "(the arms, sizes and rounds are the table's: only the failure and repair flags apply)")
+    parser.add_argument("--chaos", default="", metavar="SCHEDULE",
+                        help="predict the goodput of a chaos schedule (docs/CHAOS.md) instead: its islands, faults and "
+                        "round clock, with --startup-s and --utilization")
+    parser.add_argument("--startup-s", type=float, default=20.0, metavar="S",
+                        help="with --chaos: seconds from an island's restart to its first inner step")
+    parser.add_argument("--utilization", type=float, default=0.98, metavar="U",
+                        help="with --chaos: share of a running island's time in inner steps (measured without faults)")
     parser.add_argument("--arm", choices=["dp", "elastic", "learners"], default=job["arm"])
     parser.add_argument("--chips", type=int, default=job["chips"], metavar="N")
     parser.add_argument("--learners", type=int, default=job["learners"], metavar="M", help="learners (the learners arm)")
@@ -99,8 +107,14 @@ def _simulate_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--repair-s", type=float, metavar="S", help="seconds until a failed slice is back")
     parser.add_argument("--restart-s", type=float, metavar="S", help="seconds of a rigid job's restart")
     parser.add_argument("--resize-s", type=float, metavar="S", help="seconds of an elastic job's pause per change")
+    parser.add_argument("--rejoin-wait-s", type=float, metavar="S",
+                        help="seconds a repaired slice waits for an elastic job's next pause before it pauses the job "
+                        "itself (0: at once)")
     parser.add_argument("--checkpoint-s", type=float, default=job["checkpoint_s"], metavar="S",
-                        help="a rigid job's checkpoint interval (work since the last one is lost; 0: none)")
+                        help="a rigid job's checkpoint interval, seconds of training (work since the last one is "
+                        "lost; 0: none; with --checkpoint-save-s and no --checkpoint-s: Young's interval)")
+    parser.add_argument("--checkpoint-save-s", type=float, default=job["checkpoint_save_s"], metavar="S",
+                        help="seconds a rigid job pauses to save each checkpoint")
     parser.add_argument("--step-s", type=float, default=job["step_s"], metavar="S")
     parser.add_argument("--step-sd-s", type=float, default=job["step_sd_s"], metavar="S",
                         help="spread of a slice's step time")
@@ -134,14 +148,18 @@ def run_simulate(args: argparse.Namespace, stop) -> int:
     from p2p_diloco.lab.plots import plot_goodput_vs_chips
 
     given = {key: value for key, value in (("slice_chips", args.slice_chips), ("repair_s", args.repair_s),
-                                            ("restart_s", args.restart_s), ("resize_s", args.resize_s))
+                                            ("restart_s", args.restart_s), ("resize_s", args.resize_s),
+                                            ("rejoin_wait_s", args.rejoin_wait_s))
              if value is not None}
     if not (math.isfinite(args.chip_mtbi_days) and args.chip_mtbi_days > 0):
         raise ConfigError(f"--chip-mtbi-days must be a positive number of days (got {args.chip_mtbi_days})")
-    if args.paper:
+    if args.paper or args.chaos:
+        what = "--paper simulates the table's own" if args.paper else "--chaos simulates the schedule's own"
         ignored = [f"--{key.replace('_', '-')}" for key, default in SINGLE_JOB.items() if getattr(args, key) != default]
-        if ignored:
-            raise ConfigError(f"--paper simulates the table's own arms, sizes and rounds: drop {' '.join(ignored)}")
+        if ignored or (args.paper and args.chaos):
+            raise ConfigError(f"{what} arms, sizes and rounds: drop {' '.join(ignored) or '--paper or --chaos'}")
+    if args.chaos:
+        return _predict_chaos(args)
     out = Path(args.out) if args.out else None
     if out is not None:  # before the simulation, not after it
         try:
@@ -158,9 +176,10 @@ def run_simulate(args: argparse.Namespace, stop) -> int:
             config = sim.paper_config(
                 args.arm, args.chips, args.learners if args.arm == "learners" else 1,
                 learner_mode=args.learner_mode, chip_mtbi_s=args.chip_mtbi_days * 86400,
-                checkpoint_s=args.checkpoint_s, step_s=args.step_s, step_sd_s=args.step_sd_s,
+                checkpoint_save_s=args.checkpoint_save_s, step_s=args.step_s, step_sd_s=args.step_sd_s,
                 outer_period_s=args.outer_period_s, fragments=args.fragments, quorum=args.quorum,
-                grace_s=args.grace_s, hours=args.hours, seed=args.seed, **given)
+                grace_s=args.grace_s, hours=args.hours, seed=args.seed, **given,
+                **({"checkpoint_s": args.checkpoint_s} if args.checkpoint_s or not args.checkpoint_save_s else {}))
     except ValidationError as e:
         from p2p_diloco.flags import format_validation_error
 
@@ -202,6 +221,23 @@ def run_simulate(args: argparse.Namespace, stop) -> int:
                                           "rows": rows})
         plot_goodput_vs_chips(rows, out / "goodput.png", "goodput under failures (simulated)")
         print(f"wrote {out}/results.json and {out}/goodput.png")
+    return 0
+
+
+def _predict_chaos(args: argparse.Namespace) -> int:
+    """``p2p-diloco simulate --chaos SCHEDULE``: the goodput the schedule should measure."""
+    from p2p_diloco.errors import ConfigError
+    from p2p_diloco.lab.chaos import load_schedule
+    from p2p_diloco.lab.simulate import predict_chaos
+
+    if not (0 < args.utilization <= 1) or not (0 <= args.startup_s < 3600):
+        raise ConfigError(f"--utilization must lie in (0, 1] and --startup-s in [0, 3600) "
+                          f"(got {args.utilization}, {args.startup_s})")
+    schedule = load_schedule(args.chaos)  # (a ConfigError names a bad file)
+    config, result = predict_chaos(schedule, startup_s=args.startup_s, utilization=args.utilization)
+    print(f"{args.chaos}: {schedule.islands} islands, {schedule.minutes:g} minutes, {len(schedule.faults)} faults: "
+          f"predicted goodput {result.goodput:.3f} (start-up {args.startup_s:g} s, utilization {args.utilization:g}); "
+          f"rounds {result.rounds_ok} ok / {result.rounds_fallback} fallback")
     return 0
 
 

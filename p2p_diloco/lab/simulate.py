@@ -10,12 +10,15 @@ values):
   A failure of a slice that is down already changes nothing.
 - **data-parallel** (``dp``): one rigid job of every slice. Any failure stops everyone; the job
   runs again ``restart_s`` after its last failed slice is back, and loses the work since its last
-  checkpoint (every ``checkpoint_s`` seconds of training; 0: none lost). A failure during the
-  restart is taken in by it (``restart_absorbs``: the restart ends once that slice is back too) or
-  starts it over.
+  completed checkpoint (one after every ``checkpoint_s`` seconds of training, each pausing the job
+  ``checkpoint_save_s``; 0: none lost, as with recovery from replicas). :func:`young_interval`
+  gives the interval that loses least (Young 1974). A failure during the restart is taken in by it
+  (``restart_absorbs``: the restart ends once that slice is back too) or starts it over.
 - **elastic data-parallel** (``elastic``): one job that drops a failed slice and takes a repaired
   one back, each change pausing everyone for ``resize_s`` (changes during a pause are applied by
-  it); between pauses it trains on the slices that are up.
+  it); between pauses it trains on the slices that are up. A repaired slice waits up to
+  ``rejoin_wait_s`` for the next pause (a failure's) before it pauses the job for itself (0: at
+  once); a job with no slice up takes it at once.
 - **M learners** (``learners``): the slices split into M learners, each an elastic job of its own
   (``learner_mode="elastic"``) or a rigid one that restarts like data-parallel (``"rigid"``). A
   learner's failure costs only its own slices: no learner ever waits for another, and the outer
@@ -23,6 +26,9 @@ values):
   at its slot is ``ok`` with at least ``quorum`` training learners, and never fewer than 2, as the
   islands' (below it, those training at the end of the grace window count too), else each learner
   steps on its own update (``fallback``). Rounds never cost goodput: no learner waits for one.
+
+:func:`predict_chaos` sets the learners arm up like one of our chaos runs (docs/CHAOS.md): its
+islands, the outages its schedule forces, its round clock.
 
 Goodput is useful chip-seconds over chips x wall time (docs/DESIGN.md, "Metrics"); stragglers cost
 each job the ratio of the mean step to the expected slowest of its slices' steps (independent
@@ -60,6 +66,8 @@ class SimConfig(BaseModel):
     restart_s: float = Field(default=600.0, ge=0)
     resize_s: float = Field(default=60.0, ge=0)
     checkpoint_s: float = Field(default=0.0, ge=0)
+    checkpoint_save_s: float = Field(default=0.0, ge=0)
+    rejoin_wait_s: float = Field(default=0.0, ge=0)
     restart_absorbs: bool = True
     step_s: float = Field(default=1.0, gt=0)
     step_sd_s: float = Field(default=0.0, ge=0)
@@ -92,6 +100,25 @@ class SimResult:
     downtime_s: float = 0.0  # wall seconds in which no chip trained
 
 
+def young_interval(save_s: float, failures_per_s: float) -> float:
+    """Seconds of training between two checkpoints that waste least, sqrt(2 x save x MTBF), for a
+    job that fails ``failures_per_s`` times a second and pauses ``save_s`` per checkpoint (J. W.
+    Young, "A first order approximation to the optimum checkpoint interval", CACM 17(9), 1974).
+    The waste is then about sqrt(2 x save x rate) + rate x restart, per second of training."""
+    if save_s <= 0 or failures_per_s <= 0:
+        raise ValueError("young_interval: the save time and the failure rate must be positive")
+    return (2.0 * save_s / failures_per_s) ** 0.5
+
+
+def trained_seconds(run_s: float, checkpoint_s: float, save_s: float) -> float:
+    """Seconds of training in the first ``run_s`` seconds of a run that trains ``checkpoint_s``, then
+    saves ``save_s``, and so on (all of it without checkpoints or without a save time)."""
+    if checkpoint_s <= 0 or save_s <= 0:
+        return run_s
+    cycles, phase = divmod(run_s, checkpoint_s + save_s)
+    return cycles * checkpoint_s + min(phase, checkpoint_s)
+
+
 def straggler_efficiency(slices: int, step_s: float, step_sd_s: float) -> float:
     """Mean step over the expected slowest of ``slices`` independent normal step times (Blom's
     approximation of the expected maximum of n standard normals); 1.0 without variance."""
@@ -114,9 +141,12 @@ class _Job:
     since: float = 0.0  # when the state (or the up count) last changed
     token: int = 0  # invalidates a restart that a failure interrupted or postponed
     restart_end: float = 0.0
+    checkpoint_s: float = 0.0
+    save_s: float = 0.0
     useful: float = 0.0  # chip-seconds
-    run_since_checkpoint: float = 0.0  # seconds of training since the last checkpoint (rigid)
-    training_intervals: list = field(default_factory=list)
+    run_s: float = 0.0  # seconds running since the last restart (training and saving checkpoints)
+    pending: dict = field(default_factory=dict)  # slice -> when it was back, of repaired slices waiting to rejoin
+    training_intervals: list = field(default_factory=list)  # running, saving checkpoints included
 
     def training(self) -> bool:
         return self.state == "running" and self.up > 0
@@ -125,16 +155,25 @@ class _Job:
         """Account the time since the last change."""
         if self.training():
             seconds = now - self.since
-            self.useful += seconds * self.up * self.chips_per_slice * self.efficiency
-            self.run_since_checkpoint += seconds
+            trained = (trained_seconds(self.run_s + seconds, self.checkpoint_s, self.save_s)
+                       - trained_seconds(self.run_s, self.checkpoint_s, self.save_s))
+            self.useful += trained * self.up * self.chips_per_slice * self.efficiency
+            self.run_s += seconds
             self.training_intervals.append((self.since, now))
         self.since = now
+
+    def lost_seconds(self) -> float:
+        """Training seconds since the last completed checkpoint (0 without checkpoints)."""
+        if self.checkpoint_s <= 0:
+            return 0.0
+        return min(self.run_s % (self.checkpoint_s + self.save_s), self.checkpoint_s)
 
 
 class Simulation:
     """One run of :class:`SimConfig`. :meth:`run` returns a :class:`SimResult`.
 
-    :param failures: explicit (time, slice) failures instead of random ones (tests: closed forms)
+    :param failures: explicit (time, slice) failures instead of random ones (tests: closed forms), or
+        (time, slice, seconds until it is back) for a repair time of its own
     :param progress: called with the share of simulated time done, now and then
     """
 
@@ -149,7 +188,8 @@ class Simulation:
         per = self.slices // groups
         elastic = config.arm == "elastic" or (config.arm == "learners" and config.learner_mode == "elastic")
         efficiency = straggler_efficiency(per, config.step_s, config.step_sd_s)
-        self.jobs = [_Job(per, config.slice_chips, elastic, efficiency, up=per) for _ in range(groups)]
+        self.jobs = [_Job(per, config.slice_chips, elastic, efficiency, up=per, checkpoint_s=config.checkpoint_s,
+                          save_s=config.checkpoint_save_s) for _ in range(groups)]
         self.slices_per_job = per  # slice s is job s // per's
         self.clock = RoundClock(config.outer_period_s, config.fragments)
         self.queue: list = []
@@ -165,8 +205,8 @@ class Simulation:
     def _next_failure(self, now: float) -> None:
         if self.explicit is not None:
             if self.explicit:
-                t, s = self.explicit.pop(0)
-                self._push(t, "fail", s)
+                t, s, *repair = self.explicit.pop(0)
+                self._push(t, "fail", s, *repair)
             return
         rate = self.config.chips / self.config.chip_mtbi_s  # every chip's, superposed
         self._push(now + self.rng.expovariate(rate), "fail", self.rng.randrange(self.slices))
@@ -197,24 +237,25 @@ class Simulation:
 
     # events
 
-    def _on_fail(self, t: float, s: int) -> None:
+    def _on_fail(self, t: float, s: int, repair_s: Optional[float] = None) -> None:
         self._next_failure(t)
         if self.down[s]:
             return  # down already: its repair is under way
         self.failures += 1
         self.down[s] = True
-        self._push(t + self.config.repair_s, "repair", s)
+        self._push(t + (self.config.repair_s if repair_s is None else repair_s), "repair", s)
         index = s // self.slices_per_job
         job = self.jobs[index]
+        if job.pending.pop(s, None) is not None:
+            return  # it failed again while waiting to rejoin: the job never had it back
         job.advance(t)
         job.up -= 1
         if job.elastic:
             self._pause(index, t)
         else:
-            if job.state == "running" and self.config.checkpoint_s > 0:  # back to its last checkpoint
-                lost = job.run_since_checkpoint % self.config.checkpoint_s
-                job.useful -= lost * job.slices * job.chips_per_slice * job.efficiency
-            job.run_since_checkpoint = 0.0
+            if job.state == "running":  # back to its last checkpoint
+                job.useful -= job.lost_seconds() * job.slices * job.chips_per_slice * job.efficiency
+            job.run_s = 0.0
             if job.state == "restarting" and self.config.restart_absorbs:
                 end = max(job.restart_end, t + self.config.repair_s)
                 if end > job.restart_end:  # it waits for this slice too
@@ -228,6 +269,10 @@ class Simulation:
         index = s // self.slices_per_job
         job = self.jobs[index]
         job.advance(t)
+        if job.elastic and job.state == "running" and job.up > 0 and self.config.rejoin_wait_s > 0:
+            job.pending[s] = t  # it waits for the next pause, at most rejoin_wait_s
+            self._push(t + self.config.rejoin_wait_s, "rejoin_due", index)
+            return
         job.up += 1
         if job.elastic:
             self._pause(index, t)
@@ -240,8 +285,16 @@ class Simulation:
         job = self.jobs[index]
         if job.state == "paused":
             return  # the resize under way applies this change too
+        job.up += len(job.pending)  # the repaired slices waiting to rejoin come with it
+        job.pending.clear()
         job.state = "paused"
         self._push(t + self.config.resize_s, "resized", index)
+
+    def _on_rejoin_due(self, t: float, index: int) -> None:
+        job = self.jobs[index]
+        if job.pending and min(job.pending.values()) + self.config.rejoin_wait_s <= t:  # (not taken by a pause since)
+            job.advance(t)
+            self._pause(index, t)
 
     def _on_resized(self, t: float, index: int) -> None:
         job = self.jobs[index]
@@ -291,10 +344,14 @@ PAPER_GOODPUT = {
     ("learners", 16): (99, 98, 96, 93, 86),
 }
 # what the paper leaves open, fitted once to its table (docs/SCALE.md, "The paper's table"): slices
-# of 125 chips (every size splits into 16 learners of whole slices), a failed slice swapped back in
-# 10 minutes (data-parallel restarts on spares at once: repair 0), 77 s per data-parallel restart,
-# 11 s per elastic resize
-PAPER_ASSUMPTIONS = {"slice_chips": 125, "repair_s": 600.0, "dp_repair_s": 0.0, "restart_s": 77.0, "resize_s": 11.0}
+# of 125 chips (every size splits into 16 learners of whole slices). Data-parallel restarts on
+# spares (repair 0) in 77 s and loses no work (in-memory recovery); elastic jobs and learners pause
+# 20.5 s per change, get a failed slice back in 10 minutes and take it back with their next pause,
+# at most 2 minutes later
+PAPER_ASSUMPTIONS = {
+    "dp": {"slice_chips": 125, "repair_s": 0.0, "restart_s": 77.0},
+    "elastic": {"slice_chips": 125, "repair_s": 600.0, "resize_s": 20.5, "rejoin_wait_s": 120.0},
+}
 
 
 def arm_label(arm: str, learners: int) -> str:
@@ -302,12 +359,14 @@ def arm_label(arm: str, learners: int) -> str:
 
 
 def paper_config(arm: str, chips: int, learners: int = 1, **overrides) -> SimConfig:
-    """A :class:`SimConfig` with the paper fit's assumptions (:data:`PAPER_ASSUMPTIONS`; data-parallel
-    restarts on spares: ``dp_repair_s``), ``overrides`` on top (any SimConfig field)."""
-    values = {**PAPER_ASSUMPTIONS, **overrides}
-    dp_repair = values.pop("dp_repair_s")
-    if arm == "dp" and "repair_s" not in overrides:
-        values["repair_s"] = dp_repair
+    """A :class:`SimConfig` with the paper fit's assumptions (:data:`PAPER_ASSUMPTIONS`, the
+    elastic ones for learners too), ``overrides`` on top (any SimConfig field). A data-parallel job
+    with a checkpoint save time checkpoints at :func:`young_interval` of its failure rate unless
+    ``checkpoint_s`` is given."""
+    values = {**PAPER_ASSUMPTIONS["dp" if arm == "dp" else "elastic"], **overrides}
+    if arm == "dp" and values.get("checkpoint_save_s", 0) > 0 and "checkpoint_s" not in values:
+        values["checkpoint_s"] = young_interval(values["checkpoint_save_s"],
+                                                chips / values.get("chip_mtbi_s", YEAR_S))
     return SimConfig(arm=arm, chips=chips, learners=learners, **values)
 
 
@@ -332,3 +391,45 @@ def paper_table(cells: Sequence[tuple[SimConfig, int]],
                      "chips": config.chips, "ours": round(100 * result.goodput, 1), "paper": paper,
                      "failures": result.failures})
     return rows
+
+
+def chaos_failures(schedule, startup_s: float) -> list[tuple[float, int, float]]:
+    """The outages a chaos schedule (:class:`p2p_diloco.lab.chaos.ChaosConfig`) forces, as the
+    simulator's explicit failures (time, island index, seconds down), in seconds after every island
+    trains: a kill is down until its restart plus ``startup_s`` (start-up to the first inner step;
+    for good without a restart), a freeze for its duration; ``kill_donor`` restarts the joiner (down
+    ``startup_s``) and kills its donor, here the next island, until ``restart_after`` plus
+    ``startup_s``. Link cuts, throttles, attacks and the bootstrap node's death stop no island's
+    inner steps: none."""
+    names = [f"island-{i}" for i in range(schedule.islands)]
+    horizon = schedule.minutes * 60.0
+    outages = []
+    for fault in schedule.faults:
+        index = names.index(fault.island) if fault.island in names else None
+        if fault.kind == "kill":
+            down = fault.restart_after + startup_s if fault.restart_after else horizon
+            outages.append((fault.at, index, down))
+        elif fault.kind == "freeze":
+            outages.append((fault.at, index, fault.duration))
+        elif fault.kind == "kill_donor":
+            outages.append((fault.at, index, startup_s))
+            donor = (index + 1) % schedule.islands
+            outages.append((fault.at + startup_s / 2, donor, (fault.restart_after or horizon) + startup_s))
+    return sorted(outages)
+
+
+def predict_chaos(schedule, *, startup_s: float, utilization: float, quorum: int = 2) -> tuple[SimConfig, SimResult]:
+    """The goodput a chaos schedule should measure (docs/SCALE.md, "Our chaos runs, predicted"): its
+    islands as learners of one chip each that never wait for one another (a resize of 0 s: the
+    measured stall per failure), down for the outages of :func:`chaos_failures`, on the schedule's
+    round clock; the simulated goodput times ``utilization``, the share of a running island's time in
+    inner steps (measured without faults: evaluations and bookkeeping are the rest).
+
+    :returns: (the simulated configuration, its result with ``goodput`` already scaled)
+    """
+    config = SimConfig(arm="learners", chips=schedule.islands, slice_chips=1, learners=schedule.islands,
+                       repair_s=0.0, resize_s=0.0, outer_period_s=schedule.period, fragments=schedule.fragments,
+                       quorum=quorum, hours=schedule.minutes / 60.0)
+    result = simulate(config, failures=chaos_failures(schedule, startup_s))
+    result.goodput *= utilization
+    return config, result

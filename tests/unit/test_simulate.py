@@ -9,7 +9,8 @@ import sys
 import pytest
 from pydantic import ValidationError
 
-from p2p_diloco.lab.simulate import PAPER_CHIPS, SimConfig, paper_cells, paper_table, simulate, straggler_efficiency
+from p2p_diloco.lab.simulate import (PAPER_CHIPS, SimConfig, paper_cells, paper_table, simulate,
+                                     straggler_efficiency, young_interval)
 
 HOUR = 3600.0
 BASE = dict(chips=1024, slice_chips=256, hours=10.0, repair_s=1800.0, restart_s=600.0, resize_s=60.0)
@@ -32,6 +33,23 @@ def test_one_failure_stops_data_parallel_until_the_slice_is_back_and_the_job_res
     # a checkpoint every 1000 s: the 7200 s trained before the failure lose the last 200 s
     lost = simulate(SimConfig(arm="dp", checkpoint_s=1000.0, **BASE), failures=[(2 * HOUR, 1)])
     assert lost.goodput == pytest.approx(1 - (down + 200.0) / (10 * HOUR))
+
+
+def test_checkpoints_cost_their_saves_and_a_failure_loses_the_training_since_the_last_completed_one():
+    config = SimConfig(arm="dp", checkpoint_s=1000.0, checkpoint_save_s=10.0, **BASE)
+    # 10 h = 35 cycles of 1000 s training + 10 s saving, then 650 s of training
+    assert simulate(config, failures=[]).goodput == pytest.approx(35650 / 36000)
+    # a failure at 7200 s (7 cycles and 130 s): 7000 s kept; back at 9600 s, then 26 cycles and 140 s
+    down = BASE["repair_s"] + BASE["restart_s"]
+    assert simulate(config, failures=[(2 * HOUR, 1)]).goodput == pytest.approx((7000 + 26140) / 36000)
+    # a failure while the 8th checkpoint is saved (7075 s) loses its 1000 s of training
+    saving = simulate(config, failures=[(7075.0, 1)])
+    assert 36000 - 7075 - down == 26 * 1010 + 265
+    assert saving.goodput == pytest.approx((7000 + 26 * 1000 + 265) / 36000)
+    # Young's interval: sqrt(2 x 2 s x 100 s between failures)
+    assert young_interval(2.0, 0.01) == pytest.approx(20.0)
+    with pytest.raises(ValueError, match="must be positive"):
+        young_interval(0.0, 0.01)
 
 
 def test_a_failure_during_the_restart_starts_it_over_or_is_taken_in_by_it():
@@ -58,6 +76,31 @@ def test_elastic_data_parallel_pauses_for_each_change_and_trains_on_the_slices_u
     # a second failure during the first pause is applied by that pause
     both = simulate(SimConfig(arm="elastic", **BASE), failures=[(2 * HOUR, 3), (2 * HOUR + 10, 2)])
     assert both.downtime_s == pytest.approx(2 * c)  # one pause for both failures, one for both repairs
+
+
+def test_a_repaired_slice_waits_for_the_next_pause_at_most_the_rejoin_wait():
+    c, r, w, slices, t = BASE["resize_s"], BASE["repair_s"], 300.0, 4, 2 * HOUR
+    config = SimConfig(arm="elastic", rejoin_wait_s=w, **BASE)
+
+    def lost(result):  # slice-seconds
+        return (1 - result.goodput) * slices * 10 * HOUR
+
+    # no other pause comes: the slice idles w more, then pauses the job for itself
+    alone = simulate(config, failures=[(t, 3)])
+    assert lost(alone) == pytest.approx(slices * c + (r - c) + w + slices * c)
+    assert alone.downtime_s == pytest.approx(2 * c)
+    # slice 2 fails 100 s after slice 3 is back: that pause takes slice 3 back too
+    t2 = t + r + 100
+    shared = simulate(config, failures=[(t, 3), (t2, 2)])
+    assert lost(shared) == pytest.approx(slices * c + (t2 - t - c) + slices * c + (r - c) + w + slices * c)
+    assert shared.downtime_s == pytest.approx(3 * c)
+    # slice 3 fails again while it waits: the job never had it back; it rejoins after its second repair
+    again = simulate(config, failures=[(t, 3), (t2, 3)])
+    assert again.failures == 2
+    assert lost(again) == pytest.approx(slices * c + (t2 + r + w - t - c) + slices * c)
+    # a learner with no slice up takes its slice back at once (rejoin_wait_s changes nothing)
+    learner = SimConfig(arm="learners", learners=4, rejoin_wait_s=w, **BASE)
+    assert simulate(learner, failures=[(t, 1)]).goodput == pytest.approx(1 - (r + c) / (4 * 10 * HOUR))
 
 
 def test_a_learners_failure_costs_only_its_own_slices():
@@ -136,3 +179,19 @@ def test_the_command_prints_a_run_and_refuses_bad_values(tmp_path):
     refused = simulate_command("--arm", "learners", "--learners", "3", "--chips", "1000")
     assert refused.returncode == 2 and "Traceback" not in refused.stderr
     assert refused.stderr.startswith("error: ") and "do not split evenly into 3 learners" in refused.stderr
+
+
+def test_a_chaos_schedule_is_predicted_from_its_outages():
+    from p2p_diloco.lab.chaos import ChaosConfig, Fault
+    from p2p_diloco.lab.simulate import chaos_failures, predict_chaos
+
+    schedule = ChaosConfig(islands=4, minutes=1.0, period=10.0, fragments=1, faults=[
+        Fault(at=5, kind="kill", island="island-1", restart_after=10),  # down 10 s + 5 s start-up
+        Fault(at=20, kind="freeze", island="island-2", duration=8),  # down 8 s
+        Fault(at=25, kind="cut", island="island-3", duration=10),  # trains on: no outage
+        Fault(at=30, kind="kill_donor", island="island-0", restart_after=4)])  # 5 s; its donor island-1 4 + 5 s
+    assert chaos_failures(schedule, startup_s=5.0) == [(5, 1, 15.0), (20, 2, 8.0), (30, 0, 5.0), (32.5, 1, 9.0)]
+    config, result = predict_chaos(schedule, startup_s=5.0, utilization=0.5)
+    assert (config.learners, config.chips, config.outer_period_s) == (4, 4, 10.0)
+    assert result.goodput == pytest.approx(0.5 * (1 - (15 + 8 + 5 + 9) / (4 * 60)))
+    assert result.downtime_s == pytest.approx(0.0) and result.rounds_fallback == 0  # 3 of 4 always train
