@@ -133,6 +133,8 @@ class OuterRound:
         """The outcome of a group of 2+ members, or None when no part of the fragment was averaged
         (the round then falls back to our own pseudo-gradient)."""
         report = self.channel.report()
+        if report.formed_at is not None:  # (a round's group formation time: t_formed - slot_time)
+            figures["t_formed"] = report.formed_at
         self._weigh_outliers(report.outliers, gathered, figures)
         with self.channel.tensors() as buffers:
             merged, sent, exponents = self.wire.read(buffers, mine.values, report.grid)

@@ -2,7 +2,8 @@
 a slower (or jittering) device, a faulty island that sends NaN, Inf or 1e30 pseudo-gradients
 (for good, or toggled by SIGUSR2), an attacker whose pseudo-gradients stay within the protocol's
 bounds (docs/SECURITY.md: inflated weights, sign flips at the bound, noise, a small consistent bias,
-stale replays), and a slow donor (so chaos runs can kill it mid-download).
+stale replays), a slow donor (so chaos runs can kill it mid-download), and a synthetic learner
+that skips training (lightweight islands for swarm-scale runs, docs/SCALE.md).
 
 ``python -m p2p_diloco.lab.faults peer ...`` is ``p2p-diloco peer ...`` with the ``[debug]`` flags of
 :class:`LabPeerConfig`; it runs the product's island, assembled by :class:`FaultyIslandBuilder`, which
@@ -70,8 +71,16 @@ class DebugConfig(_Section):
         "speed jitters; steps never get faster than the device)", json_schema_extra={"flags": ["--slowdown-jitter"]},
     )
 
+    synthetic_step_s: float = Field(
+        0.0, ge=0.0, le=60.0, description="skip training: each inner step waits this many seconds and moves the "
+        "parameters by a synthetic update of the model's size instead (a lightweight island for swarm-scale runs: "
+        "the real DHT, syncer and averagers; 0: train)",
+    )
+
     @model_validator(mode="after")
     def _check_signal(self) -> "DebugConfig":
+        if self.synthetic_step_s > 0 and (self.slowdown > 1.0 or self.slowdown_jitter > 0):
+            raise ValueError("debug.synthetic_step_s sets the step time itself: drop --slowdown and --slowdown-jitter")
         if self.corrupt_on_signal and not (self.corrupt_outer or self.attack):
             raise ValueError("debug.corrupt_on_signal needs debug.corrupt_outer or debug.attack (what to send once "
                              "faulty)")
@@ -116,6 +125,50 @@ class SlowLearner(Learner):
             stretch *= 1.0 + self._rng.uniform(-self.jitter, self.jitter)
         if stretch > 1.0:  # (an Event's wait: under libfaketime, time.sleep fails with EINVAL)
             self._pause.wait((stretch - 1.0) * compute_seconds)
+
+
+SYNTHETIC_STEP = 1e-4  # a synthetic inner step's shared direction, per element (its noise: half as large)
+SYNTHETIC_SEED = 18  # the shared direction's seed: every island's updates agree, as real ones roughly do
+
+
+class SyntheticLearner(Learner):
+    """A learner that skips the forward and backward pass: each inner step reads its batches (the
+    tokens count as trained), adds ``SYNTHETIC_STEP`` x a direction shared by every island plus
+    noise of its own to every parameter, and waits ``step_s`` seconds. Its pseudo-gradients have the
+    model's real size and agree across islands (cosine about 0.9), so rounds, checks and outlier
+    detection see honest members; its losses are the uniform model's, ln(vocabulary)."""
+
+    def __init__(self, *, step_s: float, **kwargs):
+        super().__init__(**kwargs)
+        if self.ranks is not None:
+            raise ValueError("a synthetic learner runs on one rank")
+        self.step_s = step_s
+        shared = torch.Generator().manual_seed(SYNTHETIC_SEED)
+        params = list(self.model.parameters())
+        self._direction = [SYNTHETIC_STEP * torch.randn(p.shape, generator=shared).to(p.device) for p in params]
+        self._noise = torch.Generator().manual_seed(random.randrange(2**31))
+        self._loss_value = math.log(self.model.get_output_embeddings().weight.shape[0])
+        self._pause = threading.Event()  # never set
+
+    def _optimize(self) -> tuple[float, int]:
+        tokens = 0
+        for _ in range(self.grad_accum_steps):
+            batch = self.next_batch()  # (B, T+1)
+            tokens += batch.size(0) * (batch.size(1) - 1)
+        with torch.no_grad():
+            for param, direction in zip(self.model.parameters(), self._direction):
+                noise = torch.randn(param.shape, generator=self._noise).to(param.device)
+                param.add_(direction).add_(noise, alpha=SYNTHETIC_STEP / 2)
+        self._pause.wait(self.step_s)  # (an Event's wait: under libfaketime, time.sleep fails with EINVAL)
+        return self._loss_value, tokens
+
+    def evaluate(self) -> float:
+        self.stats.eval_loss = self._loss_value
+        if self.stats.eval_loss_first is None:
+            self.stats.eval_loss_first = self._loss_value
+        self.events({"event": "eval", "step": self.stats.inner_steps, "tokens": self.stats.tokens,
+                     "eval_loss": self._loss_value, "dt": 0.0})
+        return self._loss_value
 
 
 class Garbage:
@@ -240,6 +293,8 @@ class FaultyIslandBuilder(IslandBuilder):
 
     def learner(self, **kwargs) -> Learner:
         debug = self.config.debug
+        if debug.synthetic_step_s > 0:
+            return SyntheticLearner(step_s=debug.synthetic_step_s, **kwargs)
         if debug.slowdown > 1.0 or debug.slowdown_jitter > 0:
             return SlowLearner(slowdown=debug.slowdown, jitter=debug.slowdown_jitter, **kwargs)
         return super().learner(**kwargs)

@@ -43,6 +43,8 @@ class RoundReport:
     :param reducers: int16 per element (fragment order): the index in ``peers`` of the member that
         reduced it (-1: unknown); None when not recorded. Shared memory, valid until the next round
     :param peers: the round's members (peer ids) in the group's order
+    :param formed_at: when the group was formed and its all-reduce began (swarm time, seconds; up to
+        10 ms late), or None if it never was
     """
 
     grid: Optional[torch.Tensor]
@@ -51,6 +53,7 @@ class RoundReport:
     outliers: dict = field(default_factory=dict)
     reducers: Optional[torch.Tensor] = None
     peers: list = field(default_factory=list)
+    formed_at: Optional[float] = None
 
 
 class FragmentChannel(Protocol):
@@ -147,6 +150,7 @@ class HivemindChannel:
                         "failed": self._traffic[2:], "outliers": OutlierBook.allocate(),
                         "reducers": torch.full((numel,), -1, dtype=torch.int16).share_memory_()}
         self._peers: list = []  # the last round's members in the group's order (rows of "outliers")
+        self._formed_at: Optional[float] = None  # when the last round's group formed (swarm time)
         # a private run: the certificate goes with every join request; refused peer ids come back here
         self._certificate = {CERTIFICATE_FIELD: admission.certificate.to_bytes()} if admission is not None else {}
         self._refused = torch.zeros(16, 64, dtype=torch.uint8).share_memory_()
@@ -167,7 +171,7 @@ class HivemindChannel:
         """See :class:`FragmentChannel`. A slot is one-shot (no retries: a retry would average buffers
         that the failed attempt already changed)."""
         self._traffic[2] = -1  # unknown until the averager tells
-        self._peers = []
+        self._peers, self._formed_at = [], None
         self._shared["grid"].fill_(grid.TOP_EXPONENT)  # (a grid that carries nothing, until it tells)
         if not self.averager.is_alive():  # step() would wait forever for a dead process
             return None
@@ -190,7 +194,13 @@ class HivemindChannel:
                                          wait=False)
             # hivemind bounds the all-reduce by allreduce_timeout once the group formed; on a loaded
             # machine its event loop may report late, so allow as much again before giving up
-            budget = deadline - now() + 2.0 * self.allreduce_timeout + 1.0
+            until = deadline + 2.0 * self.allreduce_timeout + 1.0
+            # when the group formed (the averager process marks the step): a figure of the round
+            while not control.done() and not control.began_allreduce and now() < until and not stop.is_set():
+                time.sleep(0.01)
+            if control.began_allreduce:
+                self._formed_at = now()
+            budget = until - now()
             while budget > 0 and not stop.is_set():
                 try:
                     gathered = control.result(timeout=min(0.5, budget))
@@ -215,7 +225,7 @@ class HivemindChannel:
     def report(self) -> RoundReport:
         return RoundReport(self._shared["grid"].clone() if self.levels else None, int(self._traffic[2]),
                            self._shared["failed_mask"], OutlierBook.read(self._shared["outliers"], self._peers),
-                           self._shared["reducers"], list(self._peers))
+                           self._shared["reducers"], list(self._peers), self._formed_at)
 
     @property
     def serves(self) -> bool:

@@ -140,6 +140,8 @@ def test_members_with_the_same_base_end_identical_at_the_nesterov_step_of_the_me
     assert [e["outcome"] for e in events] == ["ok", "ok"] and events[0]["members"] == ["a", "b"]
     assert a.store.hashes == b.store.hashes and a.store.versions == b.store.versions == [1]
     assert events[0]["pair_against"] is events[1]["pair_against"] is False
+    for e in events:  # the group formed (the all-reduce began) at the slot and before it returned
+        assert e["slot_time"] - 0.5 <= e["t_formed"] <= e["t_merged"], e
     merged = outer.weighted_mean([outer.pseudo_gradient(theta, m.learner.params) for m in (a, b)], [1.0, 1.0])
     for got, want in zip(a.theta, nesterov_step(theta, merged)):  # equal tokens and steps: equal weights
         torch.testing.assert_close(got, want, rtol=0, atol=1e-5)
