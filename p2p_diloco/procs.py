@@ -6,9 +6,10 @@ island is SIGKILLed those children would otherwise live on (a "dead" island that
 :func:`install_child_hooks` makes the kernel kill every forked child when its parent dies
 (``PR_SET_PDEATHSIG``) and moves it to its own process group, so a terminal's Ctrl+C reaches only the
 main process, which then shuts the children down in order. p2pd exits when its DHT process does.
-Before each fork it also freezes the garbage collector's objects (``gc.freeze``, as the Python
-documentation advises for fork without exec), so a child's collections do not write to, and so copy,
-every page of the parent's objects: a DHT process then keeps 22 MiB of its own instead of 120 MiB
+With ``P2P_DILOCO_GC_FREEZE=1`` (the lab's swarm-scale runs) it also freezes the garbage
+collector's objects before each fork (``gc.freeze``, as the Python documentation advises for fork
+without exec), so a child's collections do not write to, and so copy, every page of the parent's
+objects: a DHT process then keeps 22 MiB of its own instead of 120 MiB. It is not the default yet
 (docs/SCALE.md, "Memory per island").
 """
 
@@ -34,7 +35,8 @@ _prctl = None  # resolved once in the parent: loading a library in a freshly for
 def _before_fork() -> None:
     global _forking_pid
     _forking_pid = os.getpid()
-    gc.freeze()  # the objects alive now are never collected, in the parent either: imports, the model
+    if os.environ.get("P2P_DILOCO_GC_FREEZE") == "1":
+        gc.freeze()  # the objects alive now are never collected, in the parent either: imports, the model
 
 
 def _after_fork_in_child() -> None:

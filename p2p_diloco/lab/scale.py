@@ -45,9 +45,10 @@ from p2p_diloco.lab.localswarm import LocalSwarm
 from p2p_diloco.procs import StopSignal, descendants
 
 
-# fewer malloc arenas for the islands' threads, a tighter heap for p2pd (Go): about 120 MiB less per
-# island (docs/SCALE.md, "Memory per island"); neither changes what the islands do
-LEAN = {"MALLOC_ARENA_MAX": "2", "GOGC": "25"}
+# fewer malloc arenas for the islands' threads, a tighter heap for p2pd (Go), the collector's objects
+# frozen before each fork (p2p_diloco.procs): about 210 MiB less per island (docs/SCALE.md, "Memory
+# per island")
+LEAN = {"MALLOC_ARENA_MAX": "2", "GOGC": "25", "P2P_DILOCO_GC_FREEZE": "1"}
 
 
 class ScaleError(Exception):

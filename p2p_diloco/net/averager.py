@@ -115,8 +115,14 @@ def _fragment_averager_class():
               from the exponents every member gathered (:func:`p2p_diloco.algo.grid.put_on_grid_`), and
               tell the island which grid was used (``shared["grid"]``);
             - record exactly which elements kept this member's own values because their reducer
-              failed (``shared["failed_mask"]``, ``shared["failed"]``: their number, -1 if unknown).
+              failed (``shared["failed_mask"]``, ``shared["failed"]``: their number, -1 if unknown);
+            - say when the group formed (``shared["formed_at"]``, float64 [1]: the averager's time,
+              swarm time once :func:`run_on_swarm_time` ran).
             """
+            if "formed_at" in self._shared:
+                from hivemind.averaging import averager as hivemind_averager
+
+                self._shared["formed_at"].fill_(hivemind_averager.get_dht_time())
             claims = _gathered_claims(self, group_info)
             if self._levels:
                 self._shared["grid"].copy_(await _put_on_shared_grid(self, [c.get("exponents") for c in claims]))

@@ -43,8 +43,8 @@ class RoundReport:
     :param reducers: int16 per element (fragment order): the index in ``peers`` of the member that
         reduced it (-1: unknown); None when not recorded. Shared memory, valid until the next round
     :param peers: the round's members (peer ids) in the group's order
-    :param formed_at: when the group was formed and its all-reduce began (swarm time, seconds; up to
-        10 ms late), or None if it never was
+    :param formed_at: when the group was formed and its all-reduce began (swarm time, seconds, as the
+        averager process saw it), or None if it never was
     """
 
     grid: Optional[torch.Tensor]
@@ -148,9 +148,9 @@ class HivemindChannel:
         self._shared = {"grid": torch.zeros(grid.num_chunks(shapes), dtype=torch.int16).share_memory_(),
                         "failed_mask": torch.zeros(numel, dtype=torch.uint8).share_memory_(),
                         "failed": self._traffic[2:], "outliers": OutlierBook.allocate(),
+                        "formed_at": torch.zeros(1, dtype=torch.float64).share_memory_(),
                         "reducers": torch.full((numel,), -1, dtype=torch.int16).share_memory_()}
         self._peers: list = []  # the last round's members in the group's order (rows of "outliers")
-        self._formed_at: Optional[float] = None  # when the last round's group formed (swarm time)
         # a private run: the certificate goes with every join request; refused peer ids come back here
         self._certificate = {CERTIFICATE_FIELD: admission.certificate.to_bytes()} if admission is not None else {}
         self._refused = torch.zeros(16, 64, dtype=torch.uint8).share_memory_()
@@ -171,7 +171,8 @@ class HivemindChannel:
         """See :class:`FragmentChannel`. A slot is one-shot (no retries: a retry would average buffers
         that the failed attempt already changed)."""
         self._traffic[2] = -1  # unknown until the averager tells
-        self._peers, self._formed_at = [], None
+        self._peers = []
+        self._shared["formed_at"].fill_(0.0)  # (set by the averager process once the group formed)
         self._shared["grid"].fill_(grid.TOP_EXPONENT)  # (a grid that carries nothing, until it tells)
         if not self.averager.is_alive():  # step() would wait forever for a dead process
             return None
@@ -194,13 +195,7 @@ class HivemindChannel:
                                          wait=False)
             # hivemind bounds the all-reduce by allreduce_timeout once the group formed; on a loaded
             # machine its event loop may report late, so allow as much again before giving up
-            until = deadline + 2.0 * self.allreduce_timeout + 1.0
-            # when the group formed (the averager process marks the step): a figure of the round
-            while not control.done() and not control.began_allreduce and now() < until and not stop.is_set():
-                time.sleep(0.01)
-            if control.began_allreduce:
-                self._formed_at = now()
-            budget = until - now()
+            budget = deadline - now() + 2.0 * self.allreduce_timeout + 1.0
             while budget > 0 and not stop.is_set():
                 try:
                     gathered = control.result(timeout=min(0.5, budget))
@@ -225,7 +220,8 @@ class HivemindChannel:
     def report(self) -> RoundReport:
         return RoundReport(self._shared["grid"].clone() if self.levels else None, int(self._traffic[2]),
                            self._shared["failed_mask"], OutlierBook.read(self._shared["outliers"], self._peers),
-                           self._shared["reducers"], list(self._peers), self._formed_at)
+                           self._shared["reducers"], list(self._peers),
+                           float(self._shared["formed_at"][0]) or None)
 
     @property
     def serves(self) -> bool:

@@ -62,6 +62,32 @@ def test_signature_binds_the_record_to_its_subkey():
     assert not signature.validate(forged)
 
 
+def test_validators_remember_their_verdicts_and_still_refuse_what_they_refused():
+    from hivemind.dht.crypto import RSASignatureValidator as Plain
+
+    validators, public_key = make_validators("run")
+    schema, signature, signed = _dht_record(validators, public_key, _record().dict())
+    other_key = RSASignatureValidator(RSAPrivateKey()).local_public_key
+    forged = DHTRecord(signed.key, DHTProtocol.serializer.dumps(other_key), signed.value, signed.expiration_time)
+    checked = []
+    original = Plain.validate
+
+    def counting(self, record):
+        checked.append(record)
+        return original(self, record)
+
+    Plain.validate = counting
+    try:
+        assert [signature.validate(signed) for _ in range(3)] == [True] * 3
+        assert [signature.validate(forged) for _ in range(3)] == [False] * 3
+    finally:
+        Plain.validate = original
+    assert checked == [signed, forged]  # each record checked once, then remembered
+    # another record of the same island (a later one) is checked anew
+    _, _, later = _dht_record(validators, public_key, _record(inner_step=4).dict())
+    assert signature.validate(later) and len(signature._verdicts) == 3
+
+
 def test_status_shows_bytes_per_token_and_peak_bytes_per_step():
     from rich.console import Console
 

@@ -67,7 +67,7 @@ def test_round_figures_count_the_window_and_the_states_each_slot_ended_with():
     assert figures["states_per_slot"]["max"] == 2 and figures["states_per_slot"]["median"] == 1
 
 
-def test_the_fork_hook_freezes_the_collectors_objects():
+def test_the_fork_hook_freezes_the_collectors_objects_when_asked(monkeypatch):
     import gc
 
     from p2p_diloco import procs
@@ -75,6 +75,9 @@ def test_the_fork_hook_freezes_the_collectors_objects():
     gc.unfreeze()
     try:
         procs._before_fork()  # (what os.fork runs first once install_child_hooks registered it)
+        assert gc.get_freeze_count() == 0  # not by default
+        monkeypatch.setenv("P2P_DILOCO_GC_FREEZE", "1")
+        procs._before_fork()
         assert gc.get_freeze_count() > 0  # a forked child's collections leave the parent's objects alone
     finally:
         gc.unfreeze()
