@@ -274,12 +274,15 @@ class Learner:
                 if not collective:
                     self.boundary.answer_snapshots()
         self.model.train(was_training)
-        value = total / len(self.eval_data)
+        return self._record_eval(total / len(self.eval_data), time.time() - started)
+
+    def _record_eval(self, value: float, seconds: float) -> float:
+        """Keep an evaluation's loss (nats/token) in the stats and log its event; returns it."""
         self.stats.eval_loss = value
         if self.stats.eval_loss_first is None:
             self.stats.eval_loss_first = value
         self.events({"event": "eval", "step": self.stats.inner_steps, "tokens": self.stats.tokens, "eval_loss": value,
-                     "dt": time.time() - started})
+                     "dt": seconds})
         return value
 
     def run(self, stop: threading.Event, *, max_steps: int = 0, max_seconds: float = 0.0,

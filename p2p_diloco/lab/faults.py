@@ -163,12 +163,7 @@ class SyntheticLearner(Learner):
         return self._loss_value, tokens
 
     def evaluate(self) -> float:
-        self.stats.eval_loss = self._loss_value
-        if self.stats.eval_loss_first is None:
-            self.stats.eval_loss_first = self._loss_value
-        self.events({"event": "eval", "step": self.stats.inner_steps, "tokens": self.stats.tokens,
-                     "eval_loss": self._loss_value, "dt": 0.0})
-        return self._loss_value
+        return self._record_eval(self._loss_value, 0.0)
 
 
 class Garbage:

@@ -33,7 +33,6 @@ from __future__ import annotations
 import argparse
 import statistics
 import sys
-import threading
 import time
 from collections import defaultdict
 from pathlib import Path

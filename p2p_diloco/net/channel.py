@@ -172,8 +172,9 @@ class HivemindChannel:
         that the failed attempt already changed)."""
         self._traffic[2] = -1  # unknown until the averager tells
         self._peers = []
-        if "formed_at" in self._shared:  # (set by the averager process once the group formed)
-            self._shared["formed_at"].fill_(0.0)
+        formed = self._shared.get("formed_at")  # (set by the averager process once the group formed)
+        if formed is not None:
+            formed.fill_(0.0)
         self._shared["grid"].fill_(grid.TOP_EXPONENT)  # (a grid that carries nothing, until it tells)
         if not self.averager.is_alive():  # step() would wait forever for a dead process
             return None
@@ -219,10 +220,11 @@ class HivemindChannel:
             control = None
 
     def report(self) -> RoundReport:
+        formed = self._shared.get("formed_at")
         return RoundReport(self._shared["grid"].clone() if self.levels else None, int(self._traffic[2]),
                            self._shared["failed_mask"], OutlierBook.read(self._shared["outliers"], self._peers),
                            self._shared["reducers"], list(self._peers),
-                           float(self._shared["formed_at"][0]) or None if "formed_at" in self._shared else None)
+                           (float(formed[0]) or None) if formed is not None else None)
 
     @property
     def serves(self) -> bool:
