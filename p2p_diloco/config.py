@@ -144,6 +144,12 @@ class OuterConfig(_Section):
     max_delta: float = Field(
         1.0, gt=0.0, description="largest |pseudo-gradient| element exchanged; larger elements are clipped"
     )
+    fallback_defer: int = Field(
+        2, ge=0, le=64, description="a round that finds no group leaves Theta_p as it is and carries the island's "
+        "pseudo-gradient and its tokens into the next round (which then sends the work of both), up to this many "
+        "rounds in a row; then, or with 0, the island steps on its own pseudo-gradient (a fork the swarm's next "
+        "round replaces, losing that work: docs/DESIGN.md, \"Syncer\")",
+    )
     merge: Literal["mean", "rda"] = Field(
         "mean", description="how a round merges pseudo-gradients: token-weighted mean, or rda (radial-directional "
         "averaging: mean direction rescaled to the mean norm, per tensor; embeddings stay on the mean)",

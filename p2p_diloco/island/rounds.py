@@ -40,7 +40,7 @@ class RoundOutcome:
 
     :param outcome: ``ok`` (a group of 2+ averaged), ``empty`` (a group whose members all had
         nothing to contribute: nothing to apply), ``fallback`` (no group: the island's own
-        pseudo-gradient), ``rejected`` (a member sent garbage: nothing applied), ``nonfinite`` (our
+        pseudo-gradient, or, deferred, nothing yet: its work goes into the next round), ``rejected`` (a member sent garbage: nothing applied), ``nonfinite`` (our
         own parameters went NaN/Inf), ``cancelled`` (the syncer stopped), ``no_snapshot``
     :param state: the new Theta_p to hand to the learner (None: nothing changes)
     :param base: what the learner's progress is measured from when ``state`` lands; None with a
@@ -86,13 +86,31 @@ class OuterRound:
         self.island, self.config, self.wire, self.channel = island, config, wire, channel
         self.transfer, self.quarantine, self.clock, self.stop = transfer, quarantine, clock, stop
         self.records, self.refresh = records, refresh
+        # the work of the rounds since our last landed state that no group took (a deferred fallback, a
+        # rejected round): its tokens and steps join the next round's claim, as its progress joins the
+        # next pseudo-gradient; and how many fallbacks in a row were deferred
+        self.carried_tokens = self.carried_steps = self.deferred = 0
 
     def run(self, p: int, slot: RoundSlot, state: FragmentState, snapshot: Snapshot) -> RoundOutcome:
-        """Average fragment p's pseudo-gradient ``Theta_p - snapshot`` at ``slot`` and step ``state``."""
+        """Average fragment p's pseudo-gradient ``Theta_p - snapshot`` at ``slot`` and step ``state``.
+
+        The pseudo-gradient covers everything trained since ``state`` landed, so after rounds whose
+        work no group took (deferred fallbacks, rejected rounds) it covers theirs too, and the claim
+        counts their tokens and steps (:attr:`carried_tokens`)."""
+        outcome = self._run(p, slot, state, snapshot)
+        if outcome.state is not None or outcome.outcome in ("cancelled", "empty"):
+            self.carried_tokens = self.carried_steps = 0  # landed (or nobody trained): nothing left to carry
+        elif outcome.outcome in ("fallback", "rejected"):  # our progress stays local: it goes into the next round
+            self.carried_tokens += snapshot.tokens
+            self.carried_steps += snapshot.steps
+        self.deferred = self.deferred + 1 if outcome.figures.get("deferred") else 0
+        return outcome
+
+    def _run(self, p: int, slot: RoundSlot, state: FragmentState, snapshot: Snapshot) -> RoundOutcome:
         delta = outer.pseudo_gradient(state.theta, snapshot.params)
         if not outer.all_finite(delta):
             return self._recover_from_nonfinite(p, state)
-        mine = self.wire.contribution(delta, snapshot.tokens, snapshot.steps)
+        mine = self.wire.contribution(delta, snapshot.tokens + self.carried_tokens, snapshot.steps + self.carried_steps)
         with self.channel.tensors() as buffers:
             report = self.wire.write(mine, buffers)
         gather = dict(island=self.island, version=state.version, hash=state.hash, weight=mine.weight,
@@ -123,10 +141,16 @@ class OuterRound:
                 return outcome
         else:
             figures["unaveraged"] = 0.0
-        new_state = state.stepped(delta, state.version + 1, 1, **self._optimizer())
         figures["group_size"] = 1 if gathered is None else len(members)
-        return RoundOutcome("fallback", new_state, snapshot.params, group_size=figures["group_size"],
-                            clipped=mine.clipped, seconds=seconds, figures=figures)
+        done = dict(group_size=figures["group_size"], clipped=mine.clipped, seconds=seconds, figures=figures)
+        if self.deferred < self.config.fallback_defer:
+            # no group: keep Theta_p and our progress for the next round, which sends both. Stepping on
+            # our own pseudo-gradient would make a fork that the swarm's next round replaces (the base
+            # repair reloads the state the others hold), and this round's work would be lost to everyone
+            figures["deferred"] = True
+            return RoundOutcome("fallback", **done)
+        new_state = state.stepped(delta, state.version + 1, 1, **self._optimizer())
+        return RoundOutcome("fallback", new_state, snapshot.params, **done)
 
     def _merge(self, p: int, state: FragmentState, snapshot: Snapshot, mine: Contribution, members: list[dict],
                figures: dict, gathered: dict) -> Optional[RoundOutcome]:

@@ -6,8 +6,9 @@ One background thread per fragment waits for that fragment's slot on the swarm-w
 its base if the swarm moved on without it, takes a snapshot from the learner (at a step boundary,
 without waiting), runs the round (:class:`~p2p_diloco.island.rounds.OuterRound`) and commits its
 outcome: the new state to the learner and the store, the counters, the event. Nothing here blocks
-the inner loop: a round that fails or finds nobody falls back to the island's own pseudo-gradient,
-and a round that is late only delivers its result later.
+the inner loop: a round that fails or finds nobody carries the island's work into its next round
+(or, after ``outer.fallback_defer`` such rounds in a row, steps on its own pseudo-gradient), and a
+round that is late only delivers its result later.
 
 Threads: the main thread calls :meth:`Syncer.start` and :meth:`Syncer.stop`; fragment p's thread
 alone replaces ``store.states[p]``; hivemind's fetch thread serves donations

@@ -17,9 +17,10 @@ pytestmark = pytest.mark.integration
 
 def test_a_lone_island_and_one_joining_through_it_fall_back_below_their_quorum(tmp_path):
     """q0 starts alone (no initial peers), q1 joins through q0's address; a quorum of 3 is never met,
-    so every round waits out its grace window, then steps on the island's own pseudo-gradient."""
+    so every round waits out its grace window, then carries the island's work into the next round
+    (deferred, at most once in a row here) or steps on the island's own pseudo-gradient."""
     swarm = LocalSwarm(tmp_path, run_id="quorum")
-    quorum = ["--outer-quorum", "3", "--outer-grace-window", "0.9"]
+    quorum = ["--outer-quorum", "3", "--outer-grace-window", "0.9", "--outer-fallback-defer", "1"]
     try:
         swarm.start_island("q0", *FAST, *quorum, "--max-steps", "64", "--data-shard-index", "0", initial_peers=[])
         start = wait_for(lambda: events_of(swarm.events_path("q0"), "start"), timeout=120, message="q0's start")[0]
@@ -31,15 +32,22 @@ def test_a_lone_island_and_one_joining_through_it_fall_back_below_their_quorum(t
         assert not swarm.close(), "processes had to be force-killed"
     summary = swarm.summary("q0")
     assert summary["eval_loss_last"] < summary["eval_loss_first"] - 1.0
-    assert min(summary["fragment_versions"]) >= 2
+    assert min(summary["fragment_versions"]) >= 1
     assert len(events_of(swarm.events_path("q1"), "join")) == 2  # q1 loaded q0's state of both fragments
     for name in ("q0", "q1"):
         rounds = [e for e in events_of(swarm.events_path(name), "round") if e["outcome"] in ("ok", "fallback")]
         assert len(rounds) >= 3 and all(e["outcome"] == "fallback" for e in rounds)
         assert swarm.summary(name)["outer_rounds_failed"] == len(rounds)
         assert all(e["t_end"] - e["slot_time"] >= 0.9 for e in rounds)  # each waited out its grace window
-        # each fallback is a real outer step on the island's own pseudo-gradient
-        assert all(e["new_version"] == e["base_version"] + 1 and e["new_hash"] != e["base_hash"] for e in rounds)
+        for fragment in (0, 1):
+            deferred = [bool(e.get("deferred")) for e in rounds if e["fragment"] == fragment]
+            assert (True, True) not in zip(deferred, deferred[1:]), (name, fragment, deferred)  # at most 1 in a row
+            assert deferred[:1] in ([], [True]), (name, fragment, deferred)  # the first one is carried over
+        # a deferred fallback leaves the state as it is; the next one is a real outer step on the
+        # island's own pseudo-gradient, which covers both rounds' work
+        assert all((e["new_version"], e["new_hash"]) == (e["base_version"], e["base_hash"]) if e.get("deferred")
+                   else e["new_version"] == e["base_version"] + 1 and e["new_hash"] != e["base_hash"] for e in rounds)
+        assert any(not e.get("deferred") for e in rounds)
     assert len([e for e in events_of(swarm.events_path("q0"), "round") if e["outcome"] == "fallback"]) >= 4
 
 

@@ -47,12 +47,12 @@ def _params(seed, scale=1.0):
     return [torch.randn(shape, generator=generator) * scale for shape in SHAPES]
 
 
-def test_a_failed_round_falls_back_to_the_islands_own_pseudo_gradient():
+def test_a_failed_round_steps_on_the_islands_own_pseudo_gradient_when_not_deferred():
     theta = _params(0)
     local = [t - 0.05 for t in theta]
-    island = Island("a", theta, local, ChannelDouble(SHAPES, result=None))
+    island = Island("a", theta, local, ChannelDouble(SHAPES, result=None), config=CONFIG.model_copy(update={"fallback_defer": 0}))
     event = island.round()
-    assert event["outcome"] == "fallback" and event["group_size"] == 1
+    assert event["outcome"] == "fallback" and event["group_size"] == 1 and "deferred" not in event
     assert island.stats.rounds_failed == 1 and island.store.versions == [1]
     expected = [t.clone() for t in theta]
     outer.outer_step(expected, outer.pseudo_gradient(theta, local), [torch.zeros_like(t) for t in theta],
@@ -62,6 +62,33 @@ def test_a_failed_round_falls_back_to_the_islands_own_pseudo_gradient():
     (update,) = island.learner.updates
     assert update.mode == "carry" and update.version == 1 and update.reason == "fallback"
     assert event["new_version"] == 1 and event["new_hash"] == island.store.hashes[0]
+
+
+def test_failed_rounds_carry_the_islands_work_into_the_next_round_then_step():
+    """A round that finds no group leaves Theta_p alone (the learner keeps all its progress), and the
+    next round claims the tokens and steps of both; after ``fallback_defer`` deferrals in a row the
+    island steps on its own pseudo-gradient, which covers the whole stretch."""
+    theta = _params(0)
+    island = Island("a", theta, [t - 0.05 for t in theta], ChannelDouble(SHAPES, result=None),
+                    config=CONFIG.model_copy(update={"fallback_defer": 2}))
+    first, second = island.round(), island.round()
+    assert first["outcome"] == second["outcome"] == "fallback" and first["deferred"] and second["deferred"]
+    assert island.store.versions == [0] and not island.learner.updates and island.stats.rounds_failed == 2
+    assert first["new_version"] == 0 and first["new_hash"] == island.store.hashes[0]
+    tokens, steps = island.learner.tokens, island.learner.steps
+    assert [g["tokens"] for g in island.channel.gathers] == [tokens, 2 * tokens]
+    assert [g["steps"] for g in island.channel.gathers] == [steps, 2 * steps]
+    island.learner.params = [t - 0.1 for t in theta]  # the learner trained on meanwhile
+    third = island.round()
+    assert "deferred" not in third and island.store.versions == [1] and island.channel.gathers[-1]["tokens"] == 3 * tokens
+    assert third["weight"] == pytest.approx(outer.token_weight(3 * tokens, 3 * steps) / 1e6, rel=1e-6)
+    expected = [t.clone() for t in theta]
+    outer.outer_step(expected, outer.pseudo_gradient(theta, island.learner.params), [torch.zeros_like(t) for t in theta],
+                     lr=0.7, momentum=0.9, nesterov=True)
+    for got, want in zip(island.theta, expected):
+        torch.testing.assert_close(got, want)
+    island.round()  # the count starts again after a landed state: deferred, claiming one round's tokens
+    assert island.last["deferred"] and island.channel.gathers[-1]["tokens"] == tokens and island.store.versions == [1]
 
 
 def test_a_group_of_one_valid_member_is_a_fallback_too():
