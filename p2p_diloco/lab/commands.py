@@ -92,8 +92,29 @@ def _simulate_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--chaos", default="", metavar="SCHEDULE",
                         help="predict the goodput of a chaos schedule (docs/CHAOS.md) instead: its islands, faults and "
                         "round clock, with --startup-s and --utilization")
-    parser.add_argument("--startup-s", type=float, default=20.0, metavar="S",
-                        help="with --chaos: seconds from an island's restart to its first inner step")
+    parser.add_argument("--volunteers", type=int, nargs="+", metavar="N",
+                        help="simulate volunteer swarms of N islands present on average instead (islands that come "
+                        "and go, of different speeds: docs/SCALE.md), one per N, with --stay-h, --stay-shape, "
+                        "--speed-sd, --startup-s, --state-mb, --bandwidth-mbps and the round flags")
+    parser.add_argument("--stay-h", type=float, default=4.0, metavar="H",
+                        help="with --volunteers: an island's mean stay, hours (default: 4)")
+    parser.add_argument("--stay-shape", type=float, default=0.5, metavar="K",
+                        help="with --volunteers: Weibull shape of the stays (1: exponential; default 0.5: many short "
+                        "stays, a few long ones)")
+    parser.add_argument("--speed-sd", type=float, default=0.5, metavar="S",
+                        help="with --volunteers: log-normal spread of the islands' speeds (default: 0.5)")
+    parser.add_argument("--state-mb", type=float, default=8.6, metavar="MB",
+                        help="with --volunteers: the state a newcomer downloads, MB (default 8.6: the tiny preset's "
+                        "Theta and momentum; a 1B-parameter model's is 8,000)")
+    parser.add_argument("--bandwidth-mbps", type=float, default=100.0, metavar="MBPS",
+                        help="with --volunteers: a newcomer's download rate, megabits/s (default: 100)")
+    parser.add_argument("--fallback-defer", type=int, default=2, metavar="N",
+                        help="with --volunteers: rounds below the quorum whose work an island carries over "
+                        "(outer.fallback_defer)")
+    parser.add_argument("--startup-s", type=float, metavar="S",
+                        help="with --chaos: seconds from an island's restart to its first inner step (default 20); "
+                        "with --volunteers: from a newcomer's start to its first step, without the download "
+                        "(default 60)")
     parser.add_argument("--utilization", type=float, default=0.98, metavar="U",
                         help="with --chaos: share of a running island's time in inner steps (measured without faults)")
     parser.add_argument("--arm", choices=["dp", "elastic", "learners"], default=job["arm"])
@@ -153,11 +174,15 @@ def run_simulate(args: argparse.Namespace, stop) -> int:
              if value is not None}
     if not (math.isfinite(args.chip_mtbi_days) and args.chip_mtbi_days > 0):
         raise ConfigError(f"--chip-mtbi-days must be a positive number of days (got {args.chip_mtbi_days})")
+    modes = [flag for flag, given in (("--paper", args.paper), ("--chaos", args.chaos),
+                                      ("--volunteers", args.volunteers)) if given]
+    if len(modes) > 1:
+        raise ConfigError(f"{' and '.join(modes)} are different simulations: choose one")
     if args.paper or args.chaos:
         what = "--paper simulates the table's own" if args.paper else "--chaos simulates the schedule's own"
         ignored = [f"--{key.replace('_', '-')}" for key, default in SINGLE_JOB.items() if getattr(args, key) != default]
-        if ignored or (args.paper and args.chaos):
-            raise ConfigError(f"{what} arms, sizes and rounds: drop {' '.join(ignored) or '--paper or --chaos'}")
+        if ignored:
+            raise ConfigError(f"{what} arms, sizes and rounds: drop {' '.join(ignored)}")
     if args.chaos:
         return _predict_chaos(args)
     out = Path(args.out) if args.out else None
@@ -169,6 +194,8 @@ def run_simulate(args: argparse.Namespace, stop) -> int:
         except OSError as e:
             raise ConfigError(f"cannot write to --out {args.out}: {e.strerror or e}") from None
 
+    if args.volunteers:
+        return _simulate_volunteers(args, out, stop)
     try:  # every value is checked before the simulation starts
         if args.paper:
             cells = sim.paper_cells(chip_mtbi_s=args.chip_mtbi_days * 86400, hours=args.hours, seed=args.seed, **given)
@@ -230,23 +257,83 @@ def _predict_chaos(args: argparse.Namespace) -> int:
     from p2p_diloco.lab.chaos import load_schedule
     from p2p_diloco.lab.simulate import predict_chaos
 
-    if not (0 < args.utilization <= 1) or not (0 <= args.startup_s < 3600):
+    startup = 20.0 if args.startup_s is None else args.startup_s
+    if not (0 < args.utilization <= 1) or not (0 <= startup < 3600):
         raise ConfigError(f"--utilization must lie in (0, 1] and --startup-s in [0, 3600) "
-                          f"(got {args.utilization}, {args.startup_s})")
+                          f"(got {args.utilization}, {startup})")
     schedule = load_schedule(args.chaos)  # (a ConfigError names a bad file)
-    config, result = predict_chaos(schedule, startup_s=args.startup_s, utilization=args.utilization)
+    config, result = predict_chaos(schedule, startup_s=startup, utilization=args.utilization)
     print(f"{args.chaos}: {schedule.islands} islands, {schedule.minutes:g} minutes, {len(schedule.faults)} faults: "
-          f"predicted goodput {result.goodput:.3f} (start-up {args.startup_s:g} s, utilization {args.utilization:g}); "
+          f"predicted goodput {result.goodput:.3f} (start-up {startup:g} s, utilization {args.utilization:g}); "
           f"rounds {result.rounds_ok} ok / {result.rounds_fallback} fallback")
     return 0
 
 
+# the single job's flags that mean something else (or nothing) for a volunteer swarm
+_NOT_FOR_VOLUNTEERS = ("arm", "chips", "learners", "learner_mode", "checkpoint_s", "checkpoint_save_s", "step_s",
+                       "step_sd_s")
+
+
+def _simulate_volunteers(args: argparse.Namespace, out, stop) -> int:
+    """``p2p-diloco simulate --volunteers N ...``: one volunteer swarm per N, in a table (and with
+    ``out``, results.json and goodput.png)."""
+    from pydantic import ValidationError
+
+    from p2p_diloco.errors import ConfigError
+    from p2p_diloco.files import write_json
+    from p2p_diloco.lab.plots import plot_goodput_vs_chips
+    from p2p_diloco.lab.volunteers import VolunteerConfig, simulate_volunteers
+
+    ignored = [f"--{key.replace('_', '-')}" for key in _NOT_FOR_VOLUNTEERS if getattr(args, key) != SINGLE_JOB[key]]
+    ignored += [f"--{key.replace('_', '-')}" for key in ("slice_chips", "repair_s", "restart_s", "resize_s",
+                                                          "rejoin_wait_s") if getattr(args, key) is not None]
+    if ignored:
+        raise ConfigError(f"--volunteers simulates islands, not chips and jobs: drop {' '.join(ignored)}")
+    if min(args.volunteers) <= 0:
+        raise ConfigError(f"--volunteers takes numbers of islands above 0 (got {min(args.volunteers)})")
+    try:  # every size is checked before the first simulation
+        configs = [VolunteerConfig(
+            islands=n, stay_mean_s=args.stay_h * 3600, stay_shape=args.stay_shape, speed_sd=args.speed_sd,
+            startup_s=60.0 if args.startup_s is None else args.startup_s, state_bytes=args.state_mb * 1e6,
+            bandwidth_Bps=args.bandwidth_mbps * 1e6 / 8, outer_period_s=args.outer_period_s, fragments=args.fragments,
+            quorum=args.quorum, grace_s=args.grace_s, fallback_defer=args.fallback_defer, hours=args.hours,
+            seed=args.seed) for n in args.volunteers]
+    except ValidationError as e:
+        from p2p_diloco.flags import format_validation_error
+
+        raise ConfigError(format_validation_error(e)) from None
+    rows = []
+    print("| islands (present) | joins | goodput | lost: start-up | departures | alone | rounds ok / fallback "
+          "| members per round |")
+    print("|---|---|---|---|---|---|---|---|")
+    for config in configs:
+        if stop.event.is_set():
+            return 130
+        result = simulate_volunteers(config)
+        rows.append({"label": "volunteers", "chips": config.islands, "ours": round(100 * result.goodput, 1),
+                     "paper": None, **result.__dict__})
+        print(f"| {config.islands:,} ({result.present:,.1f}) | {result.joins:,} | {100 * result.goodput:.1f}% "
+              f"| {100 * result.startup:.1f}% | {100 * result.departure:.1f}% | {100 * result.alone:.1f}% "
+              f"| {result.rounds_ok:,} / {result.rounds_fallback:,} | {result.members:,.1f} |")
+    print(f"{args.hours:g} h each; stays of {args.stay_h:g} h on average (Weibull shape {args.stay_shape:g}), "
+          f"start-up {configs[0].startup_s:g} s + {configs[0].download_s:.1f} s of download, T_outer "
+          f"{args.outer_period_s:g} s")
+    if out is not None:
+        write_json(out / "results.json", {"args": {k: v for k, v in vars(args).items() if k != "lab_command"},
+                                          "rows": rows})
+        plot_goodput_vs_chips(rows, out / "goodput.png", "volunteer swarms: goodput (simulated)", x_label="islands")
+        print(f"wrote {out}/results.json and {out}/goodput.png")
+    return 0
+
+
 SIMULATE = Command(
-    help="simulate a training job's goodput under hardware failures (data-parallel, elastic, M learners)",
+    help="simulate a training job's goodput under hardware failures (data-parallel, elastic, M learners), or "
+    "a volunteer swarm's",
     description="A discrete-event simulation of chips that fail and come back: data-parallel training stops "
     "for every failure, elastic data-parallel pauses to drop and re-add slices, and M independent learners "
     "(Decoupled DiLoCo) lose only their own slices while the outer rounds run on the swarm's clock. --paper "
-    "reproduces the goodput table of arXiv 2604.21428 with the assumptions of docs/SCALE.md.",
+    "reproduces the goodput table of arXiv 2604.21428 with the assumptions of docs/SCALE.md; --chaos predicts a "
+    "chaos run's; --volunteers simulates swarms of islands that come and go.",
     add_arguments=_simulate_arguments,
     run=run_simulate,
 )

@@ -136,7 +136,7 @@ def plot_compare(rows: Sequence[dict], out_path: Path, title: str) -> Path:
     return _save(fig, out_path)
 
 
-def plot_goodput_vs_chips(rows: Sequence[dict], out_path: Path, title: str) -> Path:
+def plot_goodput_vs_chips(rows: Sequence[dict], out_path: Path, title: str, x_label: str = "chips") -> Path:
     """Goodput (%) against chips, one colour per arm: ours solid, the paper's dashed where given (PNG).
 
     :param rows: {label, chips, ours, paper (or None)} per cell (:func:`p2p_diloco.lab.simulate.paper_table`)
@@ -154,7 +154,7 @@ def plot_goodput_vs_chips(rows: Sequence[dict], out_path: Path, title: str) -> P
             ax.plot(chips, [row["paper"] for row in cells], ls="--", marker="x", lw=1, color=color,
                     label=f"{label} (paper)")
     ax.set_xscale("log")
-    ax.set_xlabel("chips")
+    ax.set_xlabel(x_label)
     ax.set_ylabel("goodput (%)")
     ax.set_ylim(0, 100)
     ax.set_title(title)
