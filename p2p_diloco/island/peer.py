@@ -234,7 +234,8 @@ class Island:
                                   channels=self.channels, learner=self.learner, events=self.events,
                                   swarm_bases=lambda: self.reporter.swarm_bases(), stop=self.rounds_stop,
                                   swarm_clock=self.clock, swarm_offsets=lambda: self.reporter.clock_offsets(),
-                                  nudge=lambda: self.reporter is not None and self.reporter.nudge())
+                                  nudge=lambda: self.reporter is not None and self.reporter.nudge(),
+                                  refresh=lambda: self.reporter is not None and self.reporter.refresh())
 
     def _first_read(self, attempts: int = 3, pause: float = 1.0) -> list[IslandProgress]:
         """The others' records at start. A DHT node that has just joined may not have met the nodes

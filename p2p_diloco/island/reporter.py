@@ -15,7 +15,7 @@ from p2p_diloco.net.records import IslandProgress, ProgressBoard, is_client
 logger = logging.getLogger(__name__)
 
 
-NUDGE_SPACING = 0.5  # seconds: nudged reports come at most this often (each is a DHT store and a read)
+NUDGE_SPACING = 0.5  # seconds: nudged reports come at most this often (each a DHT read, and a store after a nudge)
 
 
 class Reporter:
@@ -56,7 +56,11 @@ class Reporter:
         self.state = "loading"
         self.failure: Optional[str] = None
         self._stop = threading.Event()
-        self._wake = threading.Event()  # set by stop() and nudge(): the next publish and read at once
+        self._wake = threading.Event()  # set by stop(), nudge() and refresh(): the next report at once
+        # set by nudge(): the next report publishes our record too. A DHT store costs far more than a
+        # read (a beam search for the nearest nodes, each answer listing its neighbours): at 16 islands
+        # on 2 cores, stores made the DHT processes the machine's load (docs/SCALE.md)
+        self._publish_due = False
         self._thread = threading.Thread(target=self._loop, name="reporter", daemon=True)
 
     def start(self) -> None:
@@ -84,7 +88,9 @@ class Reporter:
                     logger.error("%s: stopping the island", self.failure)
                     self.on_failure()
                     return
-                self.board.publish(self.build_record(self.state), self.ttl)
+                if periodic or self._publish_due:
+                    self._publish_due = False  # (before the store: a nudge meanwhile asks for another)
+                    self.board.publish(self.build_record(self.state), self.ttl)
                 if periodic:  # (a nudge publishes and reads; the chores keep their period)
                     for chore in self.chores:
                         chore()
@@ -145,7 +151,13 @@ class Reporter:
     def nudge(self) -> None:
         """Publish our record and read the others' soon (at most every :data:`NUDGE_SPACING` seconds)
         rather than at the next period: after a round changed our state (members that missed its
-        result wait for our record to show its hash), and while we wait for theirs."""
+        result wait for our record to show its hash)."""
+        self._publish_due = True
+        self._wake.set()
+
+    def refresh(self) -> None:
+        """Read the others' records soon (at most every :data:`NUDGE_SPACING` seconds), without
+        publishing ours: while we wait for theirs to show a round's result."""
         self._wake.set()
 
     def stop(self) -> None:

@@ -223,7 +223,7 @@ def wire_syncer(*, island: str, config: OuterConfig, store: FragmentStore, stats
                 learner: LearnerLink, swarm_bases: SwarmBases, events: Callable[[dict], None],
                 stop: threading.Event, swarm_clock: SwarmClock,
                 swarm_offsets: Callable[[], Sequence[float]] = list,
-                nudge: Callable[[], None] = lambda: None) -> Syncer:
+                nudge: Callable[[], None] = lambda: None, refresh: Callable[[], None] = lambda: None) -> Syncer:
     """Connect an island's syncer parts once its channels are open (one per fragment): downloads
     through the channels, donor priorities from the published states (the newest version and the
     largest agreement are asked first), round traffic from the channels' codecs, one
@@ -234,14 +234,16 @@ def wire_syncer(*, island: str, config: OuterConfig, store: FragmentStore, stats
     :param swarm_offsets: the clock offsets the other live islands publish (seconds)
     :param nudge: publishes our progress record and reads the others' soon (the reporter's
         :meth:`~p2p_diloco.island.reporter.Reporter.nudge`): after each new state, since members that
-        missed a round's result wait for our record to show its hash, and while we wait for theirs
+        missed a round's result wait for our record to show its hash
+    :param refresh: reads the others' records soon (:meth:`~p2p_diloco.island.reporter.Reporter.refresh`),
+        while we wait for theirs
     """
     transfer.attach(channels)
     store.on_publish(lambda p, state: channels[p].set_donor_priority(state.version + min(state.support, 999) / 1000))
     store.on_publish(lambda p, state: nudge())
     stats.round_traffic = lambda: tuple(sum(moved) for moved in zip(*(channel.traffic() for channel in channels)))
     rounds = [OuterRound(island=island, config=config, wire=wire, channel=channel, transfer=transfer,
-                         quarantine=quarantine, clock=swarm_clock, stop=stop, records=swarm_bases, refresh=nudge)
+                         quarantine=quarantine, clock=swarm_clock, stop=stop, records=swarm_bases, refresh=refresh)
               for wire, channel in zip(formats, channels)]
     hand_over = HandOver(store, learner, apply=config.apply, alpha=config.alpha)
     repair = BaseRepair(store=store, transfer=transfer, quarantine=quarantine, swarm_bases=swarm_bases,

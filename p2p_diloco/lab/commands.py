@@ -60,11 +60,18 @@ def run_chaos(args: argparse.Namespace, stop) -> int:
 
 
 def _print_chaos_figures(figures: dict, out: str) -> None:
-    rejoins = [r["seconds"] for r in figures["rejoin"]]
+    import statistics
+
+    timed = [r for r in figures["rejoin"] if r["seconds"] is not None]
+    fast = sum(r["seconds"] <= 60.0 for r in timed)
+    held = [f"{r['island']} {r['seconds'] if r['seconds'] is not None else '-'} s ({'+'.join(r['held_back'])})"
+            for r in figures["rejoin"] if r.get("held_back")]
+    median = f", median {statistics.median(r['seconds'] for r in timed):.1f} s" if timed else ""
     print(f"goodput {figures['goodput']:.3f}, alive utilization {figures['alive_utilization']:.3f} "
           f"(ready {figures['ready_utilization']:.3f}), global downtime {figures['global_downtime_seconds']:.1f} s, "
           f"stall per failure median {figures['stall_seconds_median']} s / max {figures['stall_seconds_max']} s, "
-          f"rejoin {rejoins} s; report in {out}/report.json")
+          f"rejoin within 60 s: {fast} of {len(timed)} timed restarts{median}"
+          f"{'; held back: ' + ', '.join(held) if held else ''}; report in {out}/report.json")
 
 
 CHAOS = Command(

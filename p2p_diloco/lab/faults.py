@@ -129,6 +129,7 @@ class SlowLearner(Learner):
 
 SYNTHETIC_STEP = 1e-4  # a synthetic inner step's shared direction, per element (its noise: half as large)
 SYNTHETIC_SEED = 18  # the shared direction's seed: every island's updates agree, as real ones roughly do
+NOISE_DRAWS = 4  # noise draws per island, one picked at random per step
 
 
 class SyntheticLearner(Learner):
@@ -146,7 +147,12 @@ class SyntheticLearner(Learner):
         shared = torch.Generator().manual_seed(SYNTHETIC_SEED)
         params = list(self.model.parameters())
         self._direction = [SYNTHETIC_STEP * torch.randn(p.shape, generator=shared).to(p.device) for p in params]
-        self._noise = torch.Generator().manual_seed(random.randrange(2**31))
+        # a few noise draws, one picked per step: drawing a model's worth of normals every step cost
+        # each lightweight island a tenth of a core of its own
+        noise = torch.Generator().manual_seed(random.randrange(2**31))
+        self._noises = [[SYNTHETIC_STEP / 2 * torch.randn(p.shape, generator=noise).to(p.device) for p in params]
+                        for _ in range(NOISE_DRAWS)]
+        self._pick = random.Random(random.randrange(2**31))
         self._loss_value = math.log(self.model.get_output_embeddings().weight.shape[0])
         self._pause = threading.Event()  # never set
 
@@ -155,10 +161,10 @@ class SyntheticLearner(Learner):
         for _ in range(self.grad_accum_steps):
             batch = self.next_batch()  # (B, T+1)
             tokens += batch.size(0) * (batch.size(1) - 1)
+        noises = self._noises[self._pick.randrange(NOISE_DRAWS)]
         with torch.no_grad():
-            for param, direction in zip(self.model.parameters(), self._direction):
-                noise = torch.randn(param.shape, generator=self._noise).to(param.device)
-                param.add_(direction).add_(noise, alpha=SYNTHETIC_STEP / 2)
+            for param, direction, noise in zip(self.model.parameters(), self._direction, noises):
+                param.add_(direction).add_(noise)
         self._pause.wait(self.step_s)  # (an Event's wait: under libfaketime, time.sleep fails with EINVAL)
         return self._loss_value, tokens
 

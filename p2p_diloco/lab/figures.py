@@ -11,7 +11,7 @@ import math
 
 import statistics
 from dataclasses import dataclass, field
-from typing import Iterable, Mapping, Sequence
+from typing import Iterable, Mapping, Optional, Sequence
 
 Interval = tuple[float, float]
 
@@ -143,6 +143,36 @@ class RunFigures:
         }
 
 
+def held_back(restart: dict, first: Optional[float], faults: Sequence[dict],
+              events: Mapping[str, Sequence[dict]], window: float = 60.0) -> list[str]:
+    """What kept a restarted island from contributing in the first ``window`` seconds (or until its
+    first contributed round, ``first``) that was imposed on it rather than the system's doing:
+    ``cut`` or ``freeze`` (a fault of the schedule on that island), ``probation`` (a strict majority
+    of the islands that had trained before the restart held a flag on it then: its rounds are avoided
+    by design, and a probation outlives a restart; docs/SECURITY.md)."""
+    island, start = restart["island"], restart["t"]
+    end = min(first if first is not None else math.inf, start + window)
+    reasons = sorted({f["kind"] for f in faults if f.get("island") == island and f["kind"] in ("cut", "freeze")
+                      and start < f["t"] < end})
+    judges = holders = 0
+    for name, evs in events.items():
+        if name == island or not any(e.get("event") == "step" and e["t"] < start for e in evs):
+            continue
+        judges += 1
+        held = []  # [from, to] of each of its flags on the island
+        for e in evs:
+            if e.get("culprit") != island:
+                continue
+            if e.get("event") == "flag":
+                held.append([e["t"], e["t"] + e.get("seconds", 0.0)])
+            elif e.get("event") == "unflag" and held and held[-1][1] > e["t"]:
+                held[-1][1] = e["t"]
+        holders += any(a < end and b > start for a, b in held)
+    if judges and 2 * holders > judges:
+        reasons.append("probation")
+    return reasons
+
+
 def run_figures(
     events: Mapping[str, Sequence[dict]],
     *,
@@ -161,7 +191,8 @@ def run_figures(
     :param frozen: island -> intervals it was stopped by SIGSTOP
     :param faults: ``{"t", "kind", "island"}`` for each kill or freeze; ``{"t", "kind": "restart",
         "island"}`` for each restart (time to rejoin runs from it to the end of the all-reduce of the
-        island's next contributed ok round)
+        island's next contributed ok round; :func:`held_back` says what the schedule or a probation
+        imposed on it meanwhile)
     :param stall_window: seconds after a fault in which the survivors' lost time is counted
     """
     # a step that straddles a SIGSTOP measured the frozen seconds too (its dt is wall time): not useful work
@@ -219,8 +250,10 @@ def run_figures(
         elif killed is not None:
             entry |= {"killed_again": round(killed, 3), "lived_seconds": round(killed - fault["t"], 3)}
         timed = first is not None and turned is None and killed is None
+        held = held_back(fault, first, faults, events)
         rejoins.append(entry | {"first_round": round(first, 3) if timed else None,
-                                "seconds": round(first - fault["t"], 3) if timed else None})
+                                "seconds": round(first - fault["t"], 3) if timed else None}
+                       | ({"held_back": held} if held else {}))
     islands = len(events)
     return RunFigures(
         wall_seconds=wall, islands=islands, useful_seconds=useful,

@@ -390,7 +390,10 @@ def make_fragment_averager(
         reducer_timeout=reducer_timeout(allreduce_timeout),
         next_chunk_timeout=chunk_timeout,
         allow_state_sharing=False,
-        declare_state_period=10.0,
+        # (hivemind's default) each declaration is a DHT store, and stores are what loads the DHT of a
+        # large swarm (docs/SCALE.md); a new state declares at once anyway (the donor priority changes),
+        # and our downloads ask the donors the records show by peer id first
+        declare_state_period=30.0,
         levels=levels,
         shared=shared,
         ceilings=ceilings,

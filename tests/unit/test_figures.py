@@ -62,6 +62,31 @@ def test_a_killed_island_costs_goodput_not_alive_utilization():
                                         "first_round": None, "seconds": None}
 
 
+def test_a_restart_held_back_by_a_cut_a_freeze_or_a_majoritys_probation_says_so():
+    events = {name: _steps(0, 200) for name in ("a", "c", "d")}
+    events["b"] = _steps(0, 40) + _steps(60, 200) + [{"event": "round", "outcome": "ok", "contributed": True,
+                                                      "t_end": 150.0}]
+    alive = {"a": [(0, 200)], "c": [(0, 200)], "d": [(0, 200)], "b": [(0, 40), (60, 200)]}
+    faults = [{"t": 40, "kind": "kill", "island": "b"}, {"t": 60, "kind": "restart", "island": "b"}]
+
+    def entry(extra_faults=(), flags=()):
+        for name, t, seconds in flags:
+            events[name].append({"event": "flag", "t": t, "culprit": "b", "seconds": seconds})
+        result = figures.run_figures(events, start=0, end=200, alive=alive, frozen={}, faults=[*faults, *extra_faults])
+        for name, _, _ in flags:
+            events[name].pop()
+        return result.rejoin_seconds[0]
+
+    assert "held_back" not in entry() and entry()["seconds"] == pytest.approx(90.0)
+    assert entry([{"t": 70, "kind": "cut", "island": "b"}])["held_back"] == ["cut"]
+    assert "held_back" not in entry([{"t": 70, "kind": "cut", "island": "a"}])  # another island's cut
+    assert "held_back" not in entry([{"t": 125, "kind": "freeze", "island": "b"}])  # past the first 60 s
+    # two of the three others held a flag on it during its first minute: a majority
+    assert entry(flags=[("a", 30, 120.0), ("c", 50, 120.0)])["held_back"] == ["probation"]
+    assert "held_back" not in entry(flags=[("a", 30, 120.0)])  # one of three
+    assert "held_back" not in entry(flags=[("a", 0, 30.0), ("c", 0, 30.0)])  # over before the restart
+
+
 def test_a_pause_of_every_island_is_global_downtime_and_a_survivor_stall():
     a = _steps(0, 50) + _steps(53, 100)  # a stops for 3 s after b is killed at 50
     events = {"a": a, "b": _steps(0, 50)}

@@ -74,3 +74,42 @@ def test_the_initial_peers_are_dialled_now_and_then_so_a_restarted_bootstrap_fin
     rep._last_initial -= rep.initial_every  # initial_every seconds later
     rep._heal()
     assert len(calls) == 2 and list(calls[-1]) == ["Boot"]
+
+
+def test_a_nudge_publishes_and_reads_while_a_refresh_only_reads():
+    """A DHT store costs far more than a read: an island waiting for the others' records reads them
+    again soon without storing its own record each time; after its state changed it stores it."""
+
+    class Board:
+        timeout = 1.0
+
+        def __init__(self):
+            self.log = []
+
+        def publish(self, record, ttl):
+            self.log.append("publish")
+
+        def read(self):
+            self.log.append("read")
+            return []
+
+    board = Board()
+    rep = Reporter(board=board, build_record=lambda state: state, period=30.0, ttl=60.0, fingerprint="f",
+                   island="me", show=lambda others, tick: None, health=lambda: None, on_failure=lambda: None)
+    rep.start()
+    try:
+        deadline = time.monotonic() + 5
+        while board.log != ["publish", "read"] and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert board.log == ["publish", "read"]  # the first, periodic report
+        rep.refresh()
+        while len(board.log) < 3 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        time.sleep(0.1)
+        assert board.log[2:] == ["read"]  # read again, nothing stored
+        rep.nudge()
+        while len(board.log) < 5 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert board.log[3:] == ["publish", "read"]
+    finally:
+        rep.stop()
