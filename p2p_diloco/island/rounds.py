@@ -62,6 +62,11 @@ class RoundOutcome:
     figures: dict = field(default_factory=dict)
 
 
+def _points_against(merged: Sequence[torch.Tensor], sent: Sequence[torch.Tensor]) -> bool:
+    """Whether the merged update and what we sent have a negative dot product (fp64 sums)."""
+    return sum(float((a.to(torch.float64) * b.to(torch.float64)).sum()) for a, b in zip(merged, sent)) < 0
+
+
 class OuterRound:
     """The rounds of one fragment.
 
@@ -174,7 +179,10 @@ class OuterRound:
         merged = self.wire.merge(merged, members)
         if not outer.all_finite(merged):
             return self._reject(members, [], mine, figures)
-        self._weigh_pair(merged, sent, members, figures)
+        against = mine.weight > 0 and _points_against(merged, sent)
+        self._weigh_pair(against, members, figures)
+        if against:
+            return self._veto(p, members, mine, figures)
         halvings = self.wire.halvings(merged, members)
         if halvings is None:
             return self._reject(members, [], mine, figures)
@@ -276,23 +284,33 @@ class OuterRound:
                              "round: flagged, its rounds are avoided for %.0f s", island, seconds)
         figures["suspect_reducers"] = sorted(far)
 
-    def _weigh_pair(self, merged: list[torch.Tensor], sent: list[torch.Tensor], members: list[dict],
-                    figures: dict) -> None:
+    def _weigh_pair(self, against: bool, members: list[dict], figures: dict) -> None:
         """In a round of 2 contributors, of which we are one, note whether the merged update points
-        against the one we sent (a negative dot product): the reducers cannot tell the two apart, but
-        we know ours is honest, and an honest partner's update does not outweigh and oppose ours
+        ``against`` the one we sent (a negative dot product): the reducers cannot tell the two apart,
+        but we know ours is honest, and an honest partner's update does not outweigh and oppose ours
         round after round. A partner that does in n of its last 2n - 1 rounds with us is flagged
         ("outlier"), so an attacker that keeps meeting islands alone is avoided (docs/SECURITY.md,
         "The norm bound")."""
         partner = self.wire.pair_partner(members, self.island)
         if partner is None:
             return
-        against = sum(float((a.to(torch.float64) * b.to(torch.float64)).sum()) for a, b in zip(merged, sent)) < 0
         figures["pair_against"] = against
         seconds = self.quarantine.note_outlier(partner, against, self.clock.now())
         if seconds:
             logger.error("island %s steered our pair rounds against our own updates round after round: flagged, its "
                          "rounds are avoided for %.0f s", partner, seconds)
+
+    def _veto(self, p: int, members: list[dict], mine: Contribution, figures: dict) -> RoundOutcome:
+        """The merged update points against our own (a negative dot product): we do not apply it, and
+        keep our state and progress for the next round, as for a rejected round (docs/SECURITY.md,
+        "Updates against our own"). An honest group's result comes back anyway: when 2 or more
+        islands hold it, the base repair reloads it and keeps our progress, which is what applying it
+        would have done. An attacker that outweighs us in a round of 2 (or of 3 whose third member
+        dropped out) holds its result alone, and nobody loads a state on one island's word."""
+        figures.update(vetoed=True, members=sorted(m["island"] for m in members), group_size=len(members))
+        logger.warning("fragment %d: the round with %s merged an update that points against ours: not applied", p,
+                       ", ".join(sorted(m["island"] for m in members if m["island"] != self.island)))
+        return RoundOutcome("rejected", group_size=len(members), clipped=mine.clipped, figures=figures)
 
     def _reject(self, members: list[dict], culprits: list[str], mine: Contribution, figures: dict) -> RoundOutcome:
         """A member sent NaN, Inf, unclipped values or lied in its metadata: the round's result is not

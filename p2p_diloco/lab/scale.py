@@ -67,6 +67,10 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     parser.add_argument("--progress-period", type=float, default=5.0, metavar="S",
                         help="the islands' --progress-period (their records' TTL: 4 times as long)")
     parser.add_argument("--preset", default="tiny", help="the model whose size the pseudo-gradients have")
+    parser.add_argument("--hidden-size", type=int, default=0, metavar="D",
+                        help="override the preset's hidden size (with --layers: a micro model, e.g. 16 and 1, "
+                        "34k parameters: the swarm's mechanics without the bandwidth of its rounds)")
+    parser.add_argument("--layers", type=int, default=0, metavar="L", help="override the preset's layers")
     parser.add_argument("--dht-wait-timeout", type=float, default=3.0, metavar="S",
                         help="the islands' --dht-wait-timeout (hivemind's default: 3 s)")
     parser.add_argument("--start-timeout", type=float, default=600.0, metavar="S",
@@ -86,7 +90,18 @@ def island_flags(args: argparse.Namespace) -> list[str]:
             "--outer-request-timeout", str(min(1.0, args.matchmaking_time / 3)),
             "--progress-period", str(args.progress_period), "--progress-ttl", str(4 * args.progress_period),
             "--eval-every", "100000", "--dht-wait-timeout", str(args.dht_wait_timeout), "--join-timeout", str(args.start_timeout),
-            "--debug-synthetic-step-s", str(args.step_s)]
+            "--debug-synthetic-step-s", str(args.step_s), *micro_flags(args.hidden_size, args.layers)]
+
+
+def micro_flags(hidden_size: int = 0, layers: int = 0) -> list[str]:
+    """Flags that shrink the preset's model (0: as it is): heads of 8 dimensions, an MLP twice as wide."""
+    flags = []
+    if hidden_size:
+        flags += ["--model-hidden-size", str(hidden_size), "--model-num-heads", str(max(1, hidden_size // 8)),
+                  "--model-intermediate-size", str(2 * hidden_size)]
+    if layers:
+        flags += ["--model-num-layers", str(layers)]
+    return flags
 
 
 def _summary(values: Sequence[float]) -> dict:

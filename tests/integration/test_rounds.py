@@ -260,8 +260,9 @@ def test_an_attacker_within_the_bounds_is_clipped_then_flagged_and_members_stay_
     local = [_moved(theta, i, 0.01) for i in (1, 2, 3)]
     a, b, x = group(local, theta, names="abx", wires=[None, None, attacker], config=config)
     events = run_round(a, b, x)
-    assert [e["outcome"] for e in events] == ["ok"] * 3 and events[0]["members"] == ["a", "b", "x"]
-    assert a.store.hashes == b.store.hashes == x.store.hashes  # one reducer per part: the same bits
+    # (the attacker itself does not apply the result: it points against the reversed update it sent)
+    assert [e["outcome"] for e in events] == ["ok", "ok", "rejected"] and events[0]["members"] == ["a", "b", "x"]
+    assert events[2]["vetoed"] and a.store.hashes == b.store.hashes  # one reducer per part: the same bits
     assert events[0]["outliers"] == events[1]["outliers"] == ["x"] and "x" in a.quarantine and "x" in b.quarantine
     assert events[0]["suspect_reducers"] == events[1]["suspect_reducers"] == []  # it reduced honestly
     assert a.quarantine.flagged_reasons() == {"x": "outlier"}
@@ -278,30 +279,35 @@ def test_an_attacker_within_the_bounds_is_clipped_then_flagged_and_members_stay_
     assert [e["outcome"] for e in events] == ["ok", "ok", "fallback"] and events[0]["members"] == ["a", "b"]
 
 
-def test_a_pair_round_with_an_attacker_is_cut_down_to_twice_the_honest_update(group):
+def test_a_pair_round_with_an_attacker_is_vetoed_by_the_honest_member_and_halved_for_the_others(group):
     """Of 2 contributors nothing tells the attacker apart, but its reversed update at the bound makes
-    the merged update far longer than the honest one: every member halves it until it is at most 2x
-    the shorter reported update (exact: they stay identical), a listener beside them changes nothing,
-    and nobody is flagged for it."""
+    the merged update point against the honest one: the honest member does not apply it (its state
+    and progress wait for its next round) and notes one round of evidence; the others halve it until
+    it is at most 2x the shorter reported update (exact: they stay identical), and nobody is flagged
+    for it yet."""
     theta = _params(0)
     attacker = AttackingFormat(CONFIG, NAMES, SHAPES, attacks=["flip", "inflate"])
     local = [_moved(theta, 1, 0.01), _moved(theta, 1, 0.012), theta]  # (honest updates alike: it reverses a's)
     a, x, listener = group(local, theta, names="axl", wires=[None, attacker])
     listener.learner.tokens = listener.learner.steps = 0
     events = run_round(a, x, listener)
-    assert [e["outcome"] for e in events] == ["ok"] * 3 and events[0]["members"] == ["a", "l", "x"]
-    print("halved", events[0]["halvings"], "times")
-    assert events[0]["halvings"] == events[2]["halvings"] >= 4
-    assert a.store.hashes == x.store.hashes == listener.store.hashes and "x" not in a.quarantine
+    assert [e["outcome"] for e in events] == ["rejected", "ok", "ok"] and events[0]["members"] == ["a", "l", "x"]
+    assert events[0]["vetoed"] is True and "vetoed" not in events[1] and "vetoed" not in events[2]
+    assert a.store.versions == [0] and a.store.hashes == [outer.tensors_hash(theta)] and not a.learner.updates
+    print("halved", events[2]["halvings"], "times")
+    assert events[1]["halvings"] == events[2]["halvings"] >= 4
+    assert x.store.hashes == listener.store.hashes != a.store.hashes and "x" not in a.quarantine
     # the honest member sees the merged update point against its own: one round of evidence (3 of 5 flag)
     assert events[0]["pair_against"] is True and "pair_against" not in events[2]  # (a listener has none)
     honest = outer.pseudo_gradient(theta, local[0])
     flipped = [-torch.sign(d) for d in outer.pseudo_gradient(theta, local[1])]
-    want = [m * 2.0 ** -events[0]["halvings"] for m in outer.weighted_mean([honest, flipped], [1.0, 1.5])]
-    for got, expected in zip(a.theta, nesterov_step(theta, want)):
+    want = [m * 2.0 ** -events[2]["halvings"] for m in outer.weighted_mean([honest, flipped], [1.0, 1.5])]
+    for got, expected in zip(listener.theta, nesterov_step(theta, want)):
         torch.testing.assert_close(got, expected, rtol=0, atol=1e-6)
     norm = math.sqrt(sum(float(t.norm()) ** 2 for t in want))
     assert norm <= 2 * math.sqrt(sum(float(t.norm()) ** 2 for t in honest))
+    # its next round sends the progress of both rounds, with both rounds' tokens
+    assert a.syncer.rounds[0].carried_tokens == a.learner.tokens
 
 
 def test_a_reducer_that_returns_the_average_reversed_is_caught_by_the_members_it_lied_to(group):
