@@ -227,8 +227,8 @@ def test_an_attacker_is_flagged_and_shown_then_killed_departs_and_a_stopped_isla
         page.wait_for_function("window.dashboard && window.dashboard.updates >= 1", timeout=30_000)
         assert page.text_content("#t-flagged") == "victim (outlier)"
     # its rounds with the honest islands were ok (every value passed the checks; where it was one of only
-    # 2 contributors, the result was cut short, but a pair round may still move the model by up to twice
-    # an honest update the wrong way: docs/SECURITY.md); their eval loss is below its level before the
+    # 2 contributors, the result was cut short, and an honest member whose update it reversed did not
+    # apply it: docs/SECURITY.md, "Updates against our own"); their eval loss is below its level before the
     # attacker within 6 evals (30 inner steps) of the flag. (3 evals were too few in one CI run: island-0,
     # hit by a pair round with the attacker, was at 6.01 against 5.99 before it, and island-1 at 5.65)
     flagged_at = max(e["t"] for e in flags)
@@ -243,10 +243,12 @@ def test_an_attacker_is_flagged_and_shown_then_killed_departs_and_a_stopped_isla
                      timeout=150, message="evals after the flag")
     attacked = [e for name in ISLANDS for e in _events(swarm, name)
                 if e.get("event") == "round" and "victim" in e.get("members", [])]
-    assert attacked and all(e["outcome"] == "ok" for e in attacked), attacked
+    assert attacked and all(e["outcome"] == "ok" or e["outcome"] == "rejected" and e.get("vetoed")
+                            for e in attacked), attacked
     print("eval loss before the attacker, after it was flagged:",
           {n: (before[n]["eval_loss"], after[n]["eval_loss"]) for n in ISLANDS}, f"{len(attacked)} rounds with it",
-          f"({sum(bool(e.get('halvings')) for e in attacked)} of them cut short)")
+          f"({sum(bool(e.get('halvings')) for e in attacked)} of them cut short, "
+          f"{sum(bool(e.get('vetoed')) for e in attacked)} not applied)")
     assert all(after[n]["eval_loss"] < before[n]["eval_loss"] for n in ISLANDS)
     swarm.islands["victim"].signal(signal.SIGKILL)
     killed = time.monotonic()
