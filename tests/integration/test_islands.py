@@ -20,7 +20,11 @@ def test_a_lone_island_and_one_joining_through_it_fall_back_below_their_quorum(t
     so every round waits out its grace window, then carries the island's work into the next round
     (deferred, at most once in a row here) or steps on the island's own pseudo-gradient."""
     swarm = LocalSwarm(tmp_path, run_id="quorum")
-    quorum = ["--outer-quorum", "3", "--outer-grace-window", "0.9", "--outer-fallback-defer", "1"]
+    # a round every 3 s (2 fragments, T_outer 6 s; a round's 1.2 + 0.9 + 0.8 s fit in it): 64 inner steps take 16 s on
+    # a fast day here (4 steps/s), which holds each fragment's deferral and step with rounds to spare; with
+    # T_outer 8 s they held 4 rounds in all and the last, fragment 1's step, was cancelled by the island's end
+    quorum = ["--outer-quorum", "3", "--outer-grace-window", "0.9", "--outer-fallback-defer", "1", "--outer-period", "6",
+              "--outer-matchmaking-time", "1.2", "--outer-allreduce-timeout", "0.8"]
     try:
         swarm.start_island("q0", *FAST, *quorum, "--max-steps", "64", "--data-shard-index", "0", initial_peers=[])
         start = wait_for(lambda: events_of(swarm.events_path("q0"), "start"), timeout=120, message="q0's start")[0]
