@@ -18,6 +18,10 @@ syncer, DHT and averagers. Once every island has trained, it measures for ``--ro
   (PSS of its tree, MiB);
 - **memory**: the machine's used memory per island (MiB, over what was used before the swarm).
 
+``--client-islands K`` makes the last K islands of each size client-mode members (``--client-mode
+on``: a DHT node that stores and serves nothing, an averager that reduces no part), as islands
+behind NAT take part.
+
 Figures are medians with the 90th percentile (``p90``) and the extremes. Run from the repository
 root (about 15 minutes on 2 cores for 4, 8, 16 and 32 islands)::
 
@@ -71,6 +75,9 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
                         help="override the preset's hidden size (with --layers: a micro model, e.g. 16 and 1, "
                         "34k parameters: the swarm's mechanics without the bandwidth of its rounds)")
     parser.add_argument("--layers", type=int, default=0, metavar="L", help="override the preset's layers")
+    parser.add_argument("--client-islands", type=int, default=0, metavar="K",
+                        help="the last K islands of each size take part as client-mode members (--client-mode on: "
+                             "their DHT nodes store and serve nothing, they reduce no part), as islands behind NAT do")
     parser.add_argument("--dht-wait-timeout", type=float, default=3.0, metavar="S",
                         help="the islands' --dht-wait-timeout (hivemind's default: 3 s)")
     parser.add_argument("--start-timeout", type=float, default=600.0, metavar="S",
@@ -79,6 +86,11 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     args = parser.parse_args(argv)
     if min(args.islands) < 2 or args.rounds < 1 or args.period <= 0 or args.fragments < 1 or args.step_s <= 0:
         parser.error("--islands needs 2 or more, --rounds and --fragments 1 or more, --period and --step-s > 0")
+    if not 0 <= args.client_islands < min(args.islands):
+        parser.error(f"--client-islands must leave a full member in every size (0 to {min(args.islands) - 1}): "
+                     "client-mode members reduce no part")
+    if args.period / args.fragments - args.matchmaking_time - 1.5 <= 0:
+        parser.error("--period / --fragments must exceed --matchmaking-time + 1.5 s (the grace window and an all-reduce)")
     return args
 
 
@@ -86,7 +98,8 @@ def island_flags(args: argparse.Namespace) -> list[str]:
     """The lightweight islands' flags: synthetic steps, one torch thread, no evaluation to speak of."""
     return ["--preset", args.preset, "--device", "cpu", "--threads", "1", "--outer-fragments", str(args.fragments),
             "--outer-period", str(args.period), "--outer-matchmaking-time", str(args.matchmaking_time),
-            "--outer-grace-window", "1", "--outer-allreduce-timeout", "10",
+            "--outer-grace-window", "1",
+            "--outer-allreduce-timeout", str(min(10.0, args.period / args.fragments - args.matchmaking_time - 1.5)),
             "--outer-request-timeout", str(min(1.0, args.matchmaking_time / 3)),
             "--progress-period", str(args.progress_period), "--progress-ttl", str(4 * args.progress_period),
             "--eval-every", "100000", "--dht-wait-timeout", str(args.dht_wait_timeout), "--join-timeout", str(args.start_timeout),
@@ -191,8 +204,9 @@ def measure(n: int, args: argparse.Namespace, out: Path, stop: StopSignal) -> di
     try:
         swarm.start_bootstrap()
         launched = time.time()
-        for name in names:
-            swarm.start_island(name, *island_flags(args))
+        for i, name in enumerate(names):
+            client = ["--client-mode", "on"] if i >= n - args.client_islands else []
+            swarm.start_island(name, *island_flags(args), *client)
         deadline = time.monotonic() + args.start_timeout
         while not _trained(swarm, names):
             dead = [name for name in names if not swarm.islands[name].alive()]

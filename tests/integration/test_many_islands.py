@@ -1,0 +1,36 @@
+"""Sixteen lightweight islands on 127.0.0.1 (issue 18; docs/SCALE.md, "Many islands on one machine"):
+the product's islands with the lab's synthetic learner, so that 16 of them fit 2 cores, 12 of them as
+client-mode members (as islands behind NAT are: their DHT nodes store and serve nothing)."""
+
+from __future__ import annotations
+
+from collections import defaultdict
+
+import pytest
+
+from p2p_diloco.island.events import read_events
+from p2p_diloco.lab.scale import measure, parse_args
+from p2p_diloco.procs import StopSignal
+
+pytestmark = pytest.mark.integration
+
+
+def test_sixteen_islands_complete_rounds_in_one_group_and_agree_on_every_fragment_version(tmp_path):
+    # a round every 8 s (one fragment), 2 of them measured once all 16 train (about 40 s of start-up here)
+    args = parse_args(["--islands", "16", "--client-islands", "12", "--rounds", "2", "--period", "8",
+                       "--step-s", "0.5", "--matchmaking-time", "2", "--progress-period", "4", "--start-timeout", "300"])
+    row = measure(16, args, tmp_path, StopSignal())
+    assert not row["leftover_processes"], "processes had to be force-killed"
+    assert row["records_seen"]["max"] == 16  # an observer sees every island's progress record
+    outcomes = row["outcomes"]
+    assert outcomes.get("ok", 0) >= 0.75 * sum(outcomes.values()), outcomes
+    assert row["group_size"]["median"] >= 12, row["group_size"]
+    assert row["states_per_slot"]["max"] == 1, row["states_per_slot"]  # each slot ends in one state
+    # every ok round of a slot starts from the same fragment version and ends at the next one
+    versions = defaultdict(set)
+    for path in sorted((tmp_path / "n16").glob("*.events.jsonl")):
+        for e in read_events(path):
+            if e.get("event") == "round" and e.get("outcome") == "ok":
+                versions[(e["fragment"], e["slot"])].add((e["base_version"], e["new_version"]))
+    assert len(versions) >= 2
+    assert all(len(v) == 1 and next(iter(v))[1] == next(iter(v))[0] + 1 for v in versions.values()), versions
