@@ -54,6 +54,9 @@ from p2p_diloco.procs import StopSignal, descendants
 LEAN = {"MALLOC_ARENA_MAX": "2", "GOGC": "25", "P2P_DILOCO_GC_FREEZE": "1"}
 
 
+GRACE_S = 1.0  # the islands' --outer-grace-window, seconds
+
+
 class ScaleError(Exception):
     """A swarm that could not be measured (it did not start in time)."""
 
@@ -89,17 +92,23 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     if not 0 <= args.client_islands < min(args.islands):
         parser.error(f"--client-islands must leave a full member in every size (0 to {min(args.islands) - 1}): "
                      "client-mode members reduce no part")
-    if args.period / args.fragments - args.matchmaking_time - 1.5 <= 0:
-        parser.error("--period / --fragments must exceed --matchmaking-time + 1.5 s (the grace window and an all-reduce)")
+    if allreduce_timeout(args) <= 0:
+        parser.error(f"--period / --fragments must exceed --matchmaking-time + {GRACE_S + 0.5:g} s "
+                     "(the grace window and an all-reduce)")
     return args
+
+
+def allreduce_timeout(args: argparse.Namespace) -> float:
+    """The islands' --outer-allreduce-timeout (seconds): up to 10 s, and what is left of the time
+    between two slots (T_outer / P) after matchmaking, the grace window and 0.5 s."""
+    return min(10.0, args.period / args.fragments - args.matchmaking_time - GRACE_S - 0.5)
 
 
 def island_flags(args: argparse.Namespace) -> list[str]:
     """The lightweight islands' flags: synthetic steps, one torch thread, no evaluation to speak of."""
     return ["--preset", args.preset, "--device", "cpu", "--threads", "1", "--outer-fragments", str(args.fragments),
             "--outer-period", str(args.period), "--outer-matchmaking-time", str(args.matchmaking_time),
-            "--outer-grace-window", "1",
-            "--outer-allreduce-timeout", str(min(10.0, args.period / args.fragments - args.matchmaking_time - 1.5)),
+            "--outer-grace-window", str(GRACE_S), "--outer-allreduce-timeout", str(allreduce_timeout(args)),
             "--outer-request-timeout", str(min(1.0, args.matchmaking_time / 3)),
             "--progress-period", str(args.progress_period), "--progress-ttl", str(4 * args.progress_period),
             "--eval-every", "100000", "--dht-wait-timeout", str(args.dht_wait_timeout), "--join-timeout", str(args.start_timeout),

@@ -4,13 +4,11 @@ client-mode members (as islands behind NAT are: their DHT nodes store and serve 
 
 from __future__ import annotations
 
-from collections import defaultdict
-
 import pytest
 
-from p2p_diloco.island.events import read_events
 from p2p_diloco.lab.scale import measure, parse_args
 from p2p_diloco.procs import StopSignal
+from tests.integration.helpers import rounds_by_slot
 
 pytestmark = pytest.mark.integration
 
@@ -27,10 +25,9 @@ def test_sixteen_islands_complete_rounds_in_one_group_and_agree_on_every_fragmen
     assert row["group_size"]["median"] >= 12, row["group_size"]
     assert row["states_per_slot"]["max"] == 1, row["states_per_slot"]  # each slot ends in one state
     # every ok round of a slot starts from the same fragment version and ends at the next one
-    versions = defaultdict(set)
-    for path in sorted((tmp_path / "n16").glob("*.events.jsonl")):
-        for e in read_events(path):
-            if e.get("event") == "round" and e.get("outcome") == "ok":
-                versions[(e["fragment"], e["slot"])].add((e["base_version"], e["new_version"]))
+    by_slot = rounds_by_slot({path.name: path for path in (tmp_path / "n16").glob("*.events.jsonl")})
+    versions = {slot: {(e["base_version"], e["new_version"]) for e in rounds.values() if e["outcome"] == "ok"}
+                for slot, rounds in by_slot.items()}
+    versions = {slot: v for slot, v in versions.items() if v}
     assert len(versions) >= 2
     assert all(len(v) == 1 and next(iter(v))[1] == next(iter(v))[0] + 1 for v in versions.values()), versions

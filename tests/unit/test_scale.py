@@ -13,7 +13,7 @@ from p2p_diloco.config import InnerConfig
 from p2p_diloco.island.data import BatchSampler
 from p2p_diloco.island.model import ModelSpec, build_model
 from p2p_diloco.lab.faults import SYNTHETIC_STEP, DebugConfig, SyntheticLearner
-from p2p_diloco.lab.scale import round_figures
+from p2p_diloco.lab.scale import island_flags, parse_args, round_figures
 
 SPEC = ModelSpec(hidden_size=16, num_layers=1, num_heads=2, intermediate_size=32, vocab_size=64, seq_len=8,
                  batch_size=2)
@@ -86,17 +86,13 @@ def test_the_fork_hook_freezes_the_collectors_objects_when_asked(monkeypatch):
 @pytest.mark.parametrize("flags", [["--islands", "4", "--client-islands", "4"], ["--client-islands", "-1"],
                                    ["--period", "4", "--matchmaking-time", "3"], ["--islands", "1"]])
 def test_scale_flags_that_cannot_make_a_swarm_exit_2(flags, capsys):
-    from p2p_diloco.lab.scale import parse_args
-
     with pytest.raises(SystemExit) as exit_:
         parse_args(flags)
     assert exit_.value.code == 2 and "error:" in capsys.readouterr().err
 
 
 def test_the_all_reduce_timeout_fits_the_period_and_no_island_is_client_mode_by_default():
-    from p2p_diloco.lab.scale import island_flags, parse_args
-
     args = parse_args(["--islands", "16", "--client-islands", "12", "--period", "8", "--matchmaking-time", "2"])
     flags = island_flags(args)
     assert flags[flags.index("--outer-allreduce-timeout") + 1] == "4.5"  # 8 - 2 - 1.5 s
-    assert float(parse_args([]).client_islands) == 0
+    assert parse_args([]).client_islands == 0
