@@ -10,6 +10,8 @@ last ``--quiet`` seconds without new faults so that the final evaluations compar
     .venv/bin/python scripts/make_chaos_schedule.py --faults 100 --minutes 30 --islands 5 \\
         --out docs/chaos/hundred.toml      # and docs/chaos/hundred_baseline.toml
     .venv/bin/python scripts/make_chaos_schedule.py --slowdown 2 --out docs/chaos/hundred_paced.toml
+    .venv/bin/python scripts/make_chaos_schedule.py --slowdown 2 --checkpoint-every 60 \\
+        --out docs/chaos/hundred_checkpoints.toml
 """
 
 from __future__ import annotations
@@ -101,10 +103,11 @@ def draw(faults: int, seconds: float, islands: int, quiet: float, seed: int) -> 
 
 
 def write(path: Path, islands: int, minutes: float, period: float, faults: list[dict], command: str,
-          slowdown: float = 1.0) -> None:
+          slowdown: float = 1.0, checkpoint_every: float = 0.0) -> None:
     paced = f', "--slowdown", "{slowdown:g}"' if slowdown > 1.0 else ""
     head = [f"# Written by {command}", f"# {len(faults)} faults" if faults else "# the fault-free baseline",
             f"islands = {islands}", f"minutes = {minutes:g}", f"period = {period:g}", 'network = "netns"',
+            *([f"checkpoint_every = {checkpoint_every:g}"] if checkpoint_every else []),
             f'island_args = ["--eval-every", "60", "--eval-batches", "4"{paced}]', ""]
     body = []
     for fault in faults:
@@ -127,18 +130,23 @@ def main(argv=None) -> int:
                              "schedules: islands of a real swarm have machines of their own, and on a few shared "
                              "cores islands computing flat out starve each restart's start-up; the faults drawn "
                              "are the same")
+    parser.add_argument("--checkpoint-every", type=float, default=0.0,
+                        help="seconds between each island's checkpoints, in both schedules (0: none); a killed "
+                             "island resumes from its newest, a kill_donor joiner starts on an empty disk")
     parser.add_argument("--out", required=True, help="the schedule; its baseline goes next to it (_baseline)")
     args = parser.parse_args(argv)
     if args.islands < 3 or args.faults < 10 or args.minutes * 60 <= args.quiet + 60:
         parser.error("need 3 or more islands, 10 or more faults and a run longer than --quiet + 60 s")
     if args.slowdown < 1.0:
         parser.error("--slowdown must be 1 or more")
+    if args.checkpoint_every < 0.0:
+        parser.error("--checkpoint-every must be 0 (none) or more")
     faults = draw(args.faults, args.minutes * 60, args.islands, args.quiet, args.seed)
     out = Path(args.out)
     command = "scripts/make_chaos_schedule.py " + " ".join(argv if argv is not None else sys.argv[1:])
-    write(out, args.islands, args.minutes, args.period, faults, command, args.slowdown)
+    write(out, args.islands, args.minutes, args.period, faults, command, args.slowdown, args.checkpoint_every)
     baseline = out.with_name(out.stem + "_baseline" + out.suffix)
-    write(baseline, args.islands, args.minutes, args.period, [], command, args.slowdown)
+    write(baseline, args.islands, args.minutes, args.period, [], command, args.slowdown, args.checkpoint_every)
     load_schedule(str(out))
     load_schedule(str(baseline))  # both valid
     kinds = sorted({f["kind"] for f in faults})

@@ -35,7 +35,7 @@ from p2p_diloco.flags import format_validation_error, load_toml
 from p2p_diloco.errors import ConfigError
 from p2p_diloco.island.events import read_events
 from p2p_diloco.lab.faults import ATTACKS, GARBAGE
-from p2p_diloco.lab.figures import run_figures
+from p2p_diloco.lab.figures import CHECKPOINT_OUTCOMES, checkpoint_resumes, run_figures
 from p2p_diloco.lab.localswarm import LocalSwarm
 from p2p_diloco.procs import descendants
 from p2p_diloco import files
@@ -88,7 +88,8 @@ class ChaosConfig(BaseModel):
     threads: int = Field(1, ge=0)
     island_args: list[str] = Field(default_factory=list, description="extra flags for every island")
     checkpoint_every: Optional[float] = Field(
-        None, gt=0.0, description="give each island its own checkpoint folder, saved this often (seconds)"
+        None, gt=0.0, description="give each island its own checkpoint folder, saved this often (seconds); a "
+        "killed island resumes from its newest checkpoint, a kill_donor joiner starts on an empty folder"
     )
     network: Literal["loopback", "netns"] = Field(
         "loopback", description="netns: each island in its own network namespace (root; needed by cut/throttle)"
@@ -152,6 +153,8 @@ class ChaosRun:
         self.tails = {name: EventTail(self.swarm.events_path(name)) for name in self.names}
         self.donor_watch: list[dict] = []  # kill_donor faults waiting for a donation to the joiner
         self.faulty: dict[str, str] = {}  # island -> what it sends while faulty (kept across restarts)
+        # island -> its checkpoint folder (its disk): a kill_donor joiner is a new machine, with a new one
+        self.disks: dict[str, Path] = {name: self.out / "checkpoints" / name for name in self.names}
         self._closed = False
         self.t0 = 0.0
 
@@ -186,8 +189,20 @@ class ChaosRun:
                 "--debug-corrupt-on-signal"]
 
     def checkpoint_dir(self, index: int) -> Path:
-        """Island ``index``'s own checkpoint folder (used when the schedule sets checkpoint_every)."""
-        return self.out / "checkpoints" / f"island-{index}"
+        """Island ``index``'s own checkpoint folder now (used when the schedule sets checkpoint_every):
+        ``checkpoints/island-<index>``, or ``checkpoints/island-<index>.<n>`` after its n-th life came
+        back as a kill_donor joiner, which starts on an empty disk and so downloads the state."""
+        return self.disks[self.names[index]]
+
+    def _new_disk(self, name: str) -> dict:
+        """Give a kill_donor joiner an empty checkpoint folder; returns what its restart record says."""
+        if not self.config.checkpoint_every:
+            return {}
+        self.disks[name] = self.out / "checkpoints" / f"{name}.{len(self.alive[name])}"
+        return self._disk(name)
+
+    def _disk(self, name: str) -> dict:
+        return {"checkpoint_dir": str(self.disks[name])} if self.config.checkpoint_every else {}
 
     def _start(self, name: str, initial_peers: Optional[list[str]] = None) -> None:
         index = self.names.index(name)
@@ -300,7 +315,7 @@ class ChaosRun:
             if alive:
                 return self._skip(kind, name, "already running")
             self._start(name, initial_peers=self._live_peers())
-            self._record("restart", name, **({"faulty": True} if name in self.faulty else {}))
+            self._record("restart", name, **self._disk(name), **({"faulty": True} if name in self.faulty else {}))
             return self._refault(name)
         if kind == "freeze":
             if not alive or _open(self.frozen[name]):
@@ -349,8 +364,9 @@ class ChaosRun:
         if kind == "kill_donor":  # restart the joiner; _watch_donors kills whoever serves its download
             if alive:
                 self._kill(name)
+            disk = self._new_disk(name)
             self._start(name, initial_peers=self._live_peers())
-            self._record("restart", name, why="kill_donor", **({"faulty": True} if name in self.faulty else {}))
+            self._record("restart", name, why="kill_donor", **disk, **({"faulty": True} if name in self.faulty else {}))
             self.donor_watch.append({"joiner": name, "since": time.time(), "joining": False,
                                      "restart_after": fault.get("restart_after")})
             return self._refault(name)
@@ -509,12 +525,35 @@ def write_report(out: str | Path, config: ChaosConfig, *, start: float, end: flo
         "network": {"cut": {n: s for n, s in cut.items() if s}, "throttled": {n: s for n, s in throttled.items() if s}},
         "eval_loss": {name: {"first": v[0] if v else None, "last": v[-1] if v else None} for name, v in evals.items()},
     }
+    if config.checkpoint_every:
+        report["checkpoints"] = checkpoint_report(out / "checkpoints", events, faults)
     files.write_json(out / "report.json", report)
     from p2p_diloco.lab.plots import plot_timeline
 
     plot_timeline(events, alive=alive, frozen=frozen, faults=faults, start=start, end=end,
                   out_path=out / "timeline.png", cut=cut, throttled=throttled, faulty=faulty)
     return report
+
+
+def checkpoint_report(folder: Path, events: dict[str, list[dict]], faults: list[dict]) -> dict:
+    """Whether a run with checkpoints lost any: every restart's resume
+    (:func:`p2p_diloco.lab.figures.checkpoint_resumes`) and every checkpoint file left in ``folder``
+    read back and verified (:func:`p2p_diloco.island.checkpoint.load_checkpoint`)."""
+    from p2p_diloco.island.checkpoint import CheckpointError, list_checkpoints, load_checkpoint
+
+    restarts = checkpoint_resumes(events, faults)
+    files, unreadable = 0, []
+    for disk in sorted(folder.iterdir()) if folder.is_dir() else []:
+        for path in list_checkpoints(disk):
+            files += 1
+            try:
+                load_checkpoint(path)
+            except CheckpointError as e:
+                unreadable.append(str(e))
+    saved = sum(1 for evs in events.values() for e in evs if e.get("event") == "checkpoint")
+    outcomes = [r["outcome"] for r in restarts]
+    return {"saved": saved, "files": files, "unreadable": unreadable, "restarts": restarts,
+            **{outcome: outcomes.count(outcome) for outcome in CHECKPOINT_OUTCOMES}}
 
 
 def faulty_spans(faults: list[dict], end: float) -> dict[str, list[tuple[float, float]]]:

@@ -40,7 +40,7 @@ def run_chaos(args: argparse.Namespace, stop) -> int:
     from p2p_diloco.lab.chaos import ChaosConfig, ChaosRun, load_schedule, reanalyze
 
     if args.reanalyze:
-        _print_chaos_figures(reanalyze(args.reanalyze)["figures"], args.reanalyze)
+        _print_chaos_figures(reanalyze(args.reanalyze), args.reanalyze)
         return 0
     config = load_schedule(args.schedule) if args.schedule else ChaosConfig()
     overrides = {key: value for key, value in (("islands", args.islands), ("minutes", args.minutes)) if value}
@@ -55,13 +55,14 @@ def run_chaos(args: argparse.Namespace, stop) -> int:
         return 1
     finally:
         run.close()
-    _print_chaos_figures(report["figures"], out)
+    _print_chaos_figures(report, out)
     return 130 if stop.event.is_set() else 0
 
 
-def _print_chaos_figures(figures: dict, out: str) -> None:
+def _print_chaos_figures(report: dict, out: str) -> None:
     import statistics
 
+    figures = report["figures"]
     timed = [r for r in figures["rejoin"] if r["seconds"] is not None]
     fast = sum(r["seconds"] <= 60.0 for r in timed)
     held = [f"{r['island']} {r['seconds'] if r['seconds'] is not None else '-'} s ({'+'.join(r['held_back'])})"
@@ -72,6 +73,12 @@ def _print_chaos_figures(figures: dict, out: str) -> None:
           f"stall per failure median {figures['stall_seconds_median']} s / max {figures['stall_seconds_max']} s, "
           f"rejoin within 60 s: {fast} of {len(timed)} timed restarts{median}"
           f"{'; held back: ' + ', '.join(held) if held else ''}; report in {out}/report.json")
+    if "checkpoints" in report:
+        saved = report["checkpoints"]
+        print(f"checkpoints: {saved['saved']} saved, {saved['files']} kept, {len(saved['unreadable'])} unreadable; "
+              f"restarts: {saved['resumed_newest']} resumed the newest, {saved['nothing_to_resume']} had none, "
+              f"{saved['not_started']} killed before their start, lost: {saved['resumed_older']} resumed an older "
+              f"one, {saved['not_resumed']} none")
 
 
 CHAOS = Command(

@@ -11,6 +11,7 @@ import math
 
 import statistics
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Iterable, Mapping, Optional, Sequence
 
 Interval = tuple[float, float]
@@ -263,3 +264,43 @@ def run_figures(
         ready_utilization=useful / (running - loading) if running - loading > 0 else 0.0,
         global_downtime=downtime, downtime_intervals=idle, stall_per_failure=stalls, rejoin_seconds=rejoins,
     )
+
+
+# what became of an island's newest checkpoint at a restart (see checkpoint_resumes)
+CHECKPOINT_OUTCOMES = ("resumed_newest", "nothing_to_resume", "not_started", "resumed_older", "not_resumed")
+
+
+def checkpoint_resumes(events: Mapping[str, Sequence[dict]], faults: Sequence[dict]) -> list[dict]:
+    """For each restart of a run with checkpoints, whether it lost a checkpoint.
+
+    A restart (a ``restart`` fault with its ``checkpoint_dir``) should resume from the newest
+    checkpoint its island's earlier lives logged in that folder before the restart (``checkpoint``
+    events); its life lasts until the island's next kill, donor kill or restart. Outcomes
+    (:data:`CHECKPOINT_OUTCOMES`): ``resumed_newest`` (that one, or a newer file whose write finished
+    but whose event the kill cut off: the names sort by time), ``nothing_to_resume`` (none was saved
+    there, e.g. a kill_donor joiner's empty folder), ``not_started`` (killed again before its start),
+    and the losses: ``resumed_older`` and ``not_resumed``.
+
+    :returns: one ``{"island", "t", "expected", "resumed", "outcome"}`` per restart, in time order
+        (``expected``/``resumed``: checkpoint file names, or None)
+    """
+    ends = {"kill", "kill_donor", "restart"}
+    out = []
+    for fault in sorted((f for f in faults if f["kind"] == "restart" and "checkpoint_dir" in f), key=lambda f: f["t"]):
+        name, start, folder = fault["island"], fault["t"], Path(fault["checkpoint_dir"])
+        end = min((f["t"] for f in faults if f.get("island") == name and f["kind"] in ends and f["t"] > start),
+                  default=math.inf)
+        life = [e for e in events.get(name, ()) if start <= e["t"] < end]
+        saved = [Path(e["path"]).name for e in events.get(name, ())
+                 if e.get("event") == "checkpoint" and e["t"] < start and Path(e["path"]).parent == folder]
+        expected = max(saved, default=None)
+        resumes = [Path(e["path"]).name for e in life if e.get("event") == "resume"]
+        resumed = resumes[0] if resumes else None
+        if not any(e.get("event") == "start" for e in life):
+            outcome = "not_started"
+        elif resumed is not None:
+            outcome = "resumed_newest" if expected is None or resumed >= expected else "resumed_older"
+        else:
+            outcome = "nothing_to_resume" if expected is None else "not_resumed"
+        out.append({"island": name, "t": start, "expected": expected, "resumed": resumed, "outcome": outcome})
+    return out

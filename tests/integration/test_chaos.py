@@ -55,6 +55,9 @@ def test_reduced_chaos_schedule_keeps_training_and_heals(tmp_path):
     assert any(f["how"] == "caught" for name in ("island-1", "island-2")
                for f in events_of(tmp_path / "run" / f"{name}.events.jsonl", "flag"))
     assert (tmp_path / "run" / "timeline.png").read_bytes().startswith(b"\x89PNG")
+    # no checkpoint lost: every file reads back and verifies, and no restart skipped its newest one
+    assert report["checkpoints"]["files"] >= 2 and report["checkpoints"]["unreadable"] == []
+    assert report["checkpoints"]["resumed_older"] == report["checkpoints"]["not_resumed"] == 0
     saved_dirs = [d for d in (tmp_path / "run" / "checkpoints").iterdir() if list_checkpoints(d)]
     assert len(saved_dirs) >= 2  # islands that were running at the end checkpointed at exit
     for checkpoint_dir in saved_dirs:  # their final global parameters are finite

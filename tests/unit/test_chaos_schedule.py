@@ -132,6 +132,39 @@ def test_faults_that_do_not_apply_are_skipped_and_spans_stay_consistent(tmp_path
             island.popen.wait(5)
 
 
+def test_a_kill_donor_joiner_starts_on_an_empty_checkpoint_folder_and_restarts_keep_theirs(tmp_path):
+    import subprocess
+    import threading
+    import time
+
+    from p2p_diloco.lab.chaos import ChaosConfig, ChaosRun
+    from p2p_diloco.lab.localswarm import Managed
+
+    run = ChaosRun(ChaosConfig(islands=2, checkpoint_every=60), tmp_path, threading.Event())
+    folders = []
+
+    def start(name, initial_peers=None):
+        folders.append(run.island_args(run.names.index(name))[run.island_args(0).index("--checkpoint-dir") + 1])
+        run.swarm.islands[name] = Managed(name, subprocess.Popen(["sleep", "60"]), tmp_path / f"{name}.log")
+        run.alive[name].append([time.time(), float("inf")])
+
+    run._start, run._live_peers = start, lambda: []
+    try:
+        start("island-0")
+        run._apply("kill", {"island": "island-0"})
+        run._apply("restart", {"island": "island-0"})  # the same disk: it resumes from its checkpoint
+        run._apply("kill_donor", {"island": "island-0"})  # a new machine: an empty folder, so it downloads
+        run._apply("kill", {"island": "island-0"})
+        run._apply("restart", {"island": "island-0"})  # and keeps that folder from then on
+        disk, fresh = str(tmp_path / "checkpoints" / "island-0"), str(tmp_path / "checkpoints" / "island-0.2")
+        assert folders == [disk, disk, fresh, fresh]
+        assert [f.get("checkpoint_dir") for f in run.faults if f["kind"] == "restart"] == [disk, fresh, fresh]
+    finally:
+        for island in run.swarm.islands.values():
+            island.popen.kill()
+            island.popen.wait(5)
+
+
 STAND_IN = """
 import json, signal, sys, time
 def note(*_):

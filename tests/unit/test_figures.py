@@ -139,3 +139,31 @@ def test_islands_evaluating_at_once_are_working_but_an_idle_pause_is_downtime():
                                  alive={n: [(0, 100)] for n in "abc"}, frozen={"c": [(40, 60)]})
     assert result.global_downtime == pytest.approx(2.0)
     assert result.downtime_intervals == [(52, 54)]
+
+
+def test_a_restart_that_skips_its_newest_checkpoint_has_lost_it():
+    disk, fresh = "run/checkpoints/island-0", "run/checkpoints/island-0.3"
+
+    def saved(t, ms):
+        return {"event": "checkpoint", "t": t, "path": f"{disk}/ckpt-{ms:013d}-000000010.safetensors"}
+
+    def resume(t, ms, folder=disk):
+        return {"event": "resume", "t": t, "path": f"{folder}/ckpt-{ms:013d}-000000010.safetensors"}
+
+    start = [{"event": "start", "t": t} for t in (0, 21, 41, 61, 81, 101, 121)]
+    events = {"island-0": sorted(start + [saved(10, 10_000), saved(15, 15_000), resume(22, 15_000), saved(30, 30_000),
+                                          resume(42, 15_000), saved(50, 50_000), resume(82, 50_000),
+                                          resume(102, 55_000)], key=lambda e: e["t"])}
+    faults = [{"t": t, "kind": "kill", "island": "island-0"} for t in (19.5, 39.5, 59.5, 79.5, 99.5)] + [
+        {"t": t, "kind": "restart", "island": "island-0", "checkpoint_dir": disk} for t in (20, 40, 60, 80, 100)] + [
+        {"t": 120, "kind": "restart", "island": "island-0", "why": "kill_donor", "checkpoint_dir": fresh},
+        {"t": 130, "kind": "kill_donor", "island": "island-1"},
+        {"t": 5, "kind": "restart", "island": "island-1"}]  # a run without checkpoints: no checkpoint_dir
+    events["island-0"] = [e for e in events["island-0"] if e["t"] != 61]  # killed again before it started
+    outcomes = [(r["t"], r["outcome"]) for r in figures.checkpoint_resumes(events, faults)]
+    assert outcomes == [(20, "resumed_newest"), (40, "resumed_older"), (60, "not_started"),
+                        (80, "resumed_newest"), (100, "resumed_newest"), (120, "nothing_to_resume")]
+    # at 100 s it resumed a file newer than the newest event: its write finished, the kill cut its event off
+    assert figures.checkpoint_resumes(events, faults)[4]["expected"] == "ckpt-0000000050000-000000010.safetensors"
+    del events["island-0"][[e.get("event") for e in events["island-0"]].index("resume")]
+    assert figures.checkpoint_resumes(events, faults)[0]["outcome"] == "not_resumed"
