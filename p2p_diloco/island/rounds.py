@@ -171,11 +171,9 @@ class OuterRound:
         culprits = self.wire.misreporting(members, self.island)
         if culprits or not self.wire.valid_result(merged, exponents):
             return self._reject(members, culprits, mine, figures)
-        # a listener sent nothing to compare with
-        suspects = self._weigh_reducers(merged, sent, report, gathered, figures) if mine.weight > 0 else []
+        if mine.weight > 0:  # a listener sent nothing to compare with
+            self._weigh_reducers(merged, sent, report, gathered, figures)
         masks = self.wire.unaveraged(merged, sent, members, mine.weight, report.failed, report.failed_mask)
-        if suspects:  # their parts are not applied: as if they had stopped answering (docs/SECURITY.md)
-            masks = self.wire.reduced_by(merged, report.reducers, suspects, masks)
         if masks is not None:
             figures["unaveraged"] = self.wire.drop_unaveraged(merged, sent, masks)
         merged = self.wire.merge(merged, members)
@@ -264,16 +262,15 @@ class OuterRound:
         figures["outliers"] = sorted(far)
 
     def _weigh_reducers(self, merged: list[torch.Tensor], sent: list[torch.Tensor], report, gathered: dict,
-                        figures: dict) -> list[int]:
+                        figures: dict) -> None:
         """Note, for each member that reduced parts for us, whether the merged values it returned
         agree with what we sent far less than the other reducers' do (a reducer that reverses or
-        replaces the average: docs/SECURITY.md); one that does, round after round, is flagged.
-        Returns the group indices of this round's suspects, whose parts the caller does not apply."""
+        replaces the average: docs/SECURITY.md); one that does, round after round, is flagged."""
         if report.reducers is None or not report.peers:
-            return []
+            return
         agreement = robust.reducer_agreement(merged, sent, report.reducers)
         suspects = set(robust.disagreeing(agreement))
-        far, dropped = [], []
+        far = []
         for index in agreement:
             member = gathered.get(report.peers[index]) if index < len(report.peers) else None
             island = member.get("island") if isinstance(member, dict) else None
@@ -281,13 +278,11 @@ class OuterRound:
                 continue
             if index in suspects:
                 far.append(island)
-                dropped.append(index)
             seconds = self.quarantine.note_outlier(island, index in suspects, self.clock.now(), kind="reducer")
             if seconds:
                 logger.error("island %s returned averages that disagree with what the members sent, round after "
                              "round: flagged, its rounds are avoided for %.0f s", island, seconds)
         figures["suspect_reducers"] = sorted(far)
-        return sorted(dropped)
 
     def _weigh_pair(self, against: bool, members: list[dict], figures: dict) -> None:
         """In a round of 2 contributors, of which we are one, note whether the merged update points
