@@ -220,6 +220,32 @@ def reducer_agreement(merged: Sequence[torch.Tensor], sent: Sequence[torch.Tenso
     return result
 
 
+def against_momentum(agreement: dict[int, float], *, floor: float = 0.05, fraction: float = 0.5) -> list[int]:
+    """The reducers whose share of a round's result points against the outer momentum while the
+    other reducers' shares point along it (docs/SECURITY.md, "Lying reducers").
+
+    Unlike :func:`disagreeing`, which takes one member's own update, this takes the outer momentum
+    m_p of the round's base (:func:`reducer_agreement` of the merged values with m_p): every member
+    on that base holds the same m_p and receives the same merged values from an honest reducer, so
+    every such member names the same reducers and can leave their shares out of the round with the
+    same bits (hivemind reorders the group every round, so a reducer's share lies where the others
+    reduced before). A reducer that returns the average reversed points against m_p as much as the
+    others point along it; an honest one against it as far is rare, and costs only that round's step
+    on its share (its progress goes into the next round).
+
+    :param agreement: group index -> cosine of the merged values with m_p, per reducer
+    :param floor: the median must be at least this, else m_p says nothing (a fresh state: m_p = 0)
+    :param fraction: a reducer below ``-fraction`` x the median points against it
+    :returns: the group indices, sorted; none when fewer than 3 reducers are compared
+    """
+    if len(agreement) < 3:
+        return []
+    median = statistics.median(agreement.values())
+    if median < floor:
+        return []
+    return sorted(index for index, value in agreement.items() if value < -fraction * median)
+
+
 def disagreeing(agreement: dict[int, float], *, floor: float = 0.2, fraction: float = 0.25) -> list[int]:
     """The reducers whose agreement is far below the others'.
 

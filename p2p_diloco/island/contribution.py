@@ -237,6 +237,16 @@ class RoundFormat:
         size = sum(t.numel() for t in merged)
         return wire.find_unaveraged(merged, sent, min_run=min(1024, max(2, size // 64)))
 
+    @staticmethod
+    def reduced_by(merged: Sequence[torch.Tensor], reducer_of: torch.Tensor, reducers: Sequence[int],
+                   masks: Optional[Sequence[torch.Tensor]] = None) -> list[torch.Tensor]:
+        """Boolean masks (shaped like ``merged``) of the elements that the members at group indices
+        ``reducers`` reduced (``reducer_of``: int16 [numel], fragment order), or-ed into ``masks``
+        (:meth:`unaveraged`'s) when given."""
+        wanted = torch.isin(reducer_of.to(torch.int64), torch.tensor(sorted(reducers), dtype=torch.int64))
+        parts = [part.view(t.shape).clone() for part, t in zip(torch.split(wanted, [t.numel() for t in merged]), merged)]
+        return parts if masks is None else [a | b for a, b in zip(masks, parts)]
+
     def drop_unaveraged(self, merged: list[torch.Tensor], sent: list[torch.Tensor],
                         masks: Sequence[torch.Tensor]) -> float:
         """Give the parts no reducer averaged a zero merged pseudo-gradient (+0.0: the same bits on

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import collections
 import logging
+import statistics
 import threading
 import time
 from dataclasses import dataclass, field
@@ -171,9 +172,12 @@ class OuterRound:
         culprits = self.wire.misreporting(members, self.island)
         if culprits or not self.wire.valid_result(merged, exponents):
             return self._reject(members, culprits, mine, figures)
+        against = self._against_momentum(merged, state, report, gathered, figures)
         if mine.weight > 0:  # a listener sent nothing to compare with
-            self._weigh_reducers(merged, sent, report, gathered, figures)
+            self._weigh_reducers(merged, sent, report, gathered, figures, also=against)
         masks = self.wire.unaveraged(merged, sent, members, mine.weight, report.failed, report.failed_mask)
+        if against:  # not applied, as if they had stopped answering: the same bits on every member on our base
+            masks = self.wire.reduced_by(merged, report.reducers, against, masks)
         if masks is not None:
             figures["unaveraged"] = self.wire.drop_unaveraged(merged, sent, masks)
         merged = self.wire.merge(merged, members)
@@ -261,15 +265,36 @@ class OuterRound:
                              "rounds are avoided for %.0f s", island, seconds)
         figures["outliers"] = sorted(far)
 
+    def _against_momentum(self, merged: list[torch.Tensor], state: FragmentState, report, gathered: dict,
+                          figures: dict) -> list[int]:
+        """The group indices of the reducers whose share of the result points against the outer
+        momentum of our base while the other reducers' shares point along it
+        (:func:`p2p_diloco.algo.robust.against_momentum`). The caller does not apply their shares:
+        every member on our base holds the same momentum and got the same shares, so all of them
+        leave out the same parts and end on one state (docs/SECURITY.md, "Lying reducers")."""
+        if report.reducers is None or not report.peers:
+            return []
+        agreement = robust.reducer_agreement(merged, state.momentum, report.reducers)
+        if agreement:
+            figures["momentum_agreement"] = round(statistics.median(agreement.values()), 4)
+        against = robust.against_momentum(agreement)
+        if against:
+            members = [gathered.get(report.peers[i]) if i < len(report.peers) else None for i in against]
+            figures["dropped_reducers"] = sorted(str(m.get("island")) if isinstance(m, dict) else "?" for m in members)
+            logger.warning("the shares of the round's result reduced by %s point against the outer momentum while "
+                           "the others' point along it: not applied", ", ".join(figures["dropped_reducers"]))
+        return against
+
     def _weigh_reducers(self, merged: list[torch.Tensor], sent: list[torch.Tensor], report, gathered: dict,
-                        figures: dict) -> None:
+                        figures: dict, also: Sequence[int] = ()) -> None:
         """Note, for each member that reduced parts for us, whether the merged values it returned
         agree with what we sent far less than the other reducers' do (a reducer that reverses or
-        replaces the average: docs/SECURITY.md); one that does, round after round, is flagged."""
+        replaces the average: docs/SECURITY.md), or are among ``also`` (group indices: those whose
+        share points against the outer momentum); one that does, round after round, is flagged."""
         if report.reducers is None or not report.peers:
             return
         agreement = robust.reducer_agreement(merged, sent, report.reducers)
-        suspects = set(robust.disagreeing(agreement))
+        suspects = set(robust.disagreeing(agreement)) | set(also)
         far = []
         for index in agreement:
             member = gathered.get(report.peers[index]) if index < len(report.peers) else None

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import math
 import threading
 import time
@@ -312,15 +313,32 @@ def test_a_pair_round_with_an_attacker_is_vetoed_by_the_honest_member_and_halved
 
 def test_a_reducer_that_returns_the_average_reversed_is_caught_by_the_members_it_lied_to(group):
     """A member sends its update honestly but returns every part it reduces reversed (within the
-    bounds, the same to everyone): the others see its share of the result disagree with what they
-    sent, unlike the other reducers' shares, and flag it."""
+    bounds, the same to everyone): its share of the result points against the outer momentum that
+    every member of the base holds, while the other reducers' shares point along it, so every member
+    (itself included) leaves that share out alike and they end on one state; the others also see
+    it disagree with what they sent, and flag it."""
     config = CONFIG.model_copy(update={"outlier_rounds": 1})
     theta = _params(0)
     liar = LyingReducerFormat(config, NAMES, SHAPES)
     a, b, x = group([_moved(theta, i, 0.01) for i in (1, 2, 3)], theta, names="abx", wires=[None, None, liar],
                     config=config)
+    # earlier rounds' updates went where this round's mean goes (m_p, the same on every member)
+    momentum = [sum(0.01 * g for g in gs) for gs in zip(*(_params(i) for i in (1, 2, 3)))]
+    for m in (a, b, x):
+        m.store.publish(0, dataclasses.replace(m.store.states[0], momentum=[t.clone() for t in momentum]))
     events = run_round(a, b, x)
     assert [e["outcome"] for e in events] == ["ok"] * 3 and a.store.hashes == b.store.hashes == x.store.hashes
+    assert all(e["dropped_reducers"] == ["x"] for e in events), events
+    share = events[0]["unaveraged"]  # its part, about a third of the fragment, the same bits for all
+    assert 0.2 < share < 0.5 and events[1]["unaveraged"] == events[2]["unaveraged"] == share
+    # the honest reducers' parts took the Nesterov step of the mean; x's part the step of a zero update
+    want = outer.weighted_mean([outer.pseudo_gradient(theta, _moved(theta, i, 0.01)) for i in (1, 2, 3)], [1.0] * 3)
+    stepped = nesterov_step(theta, want, [t.clone() for t in momentum])
+    unmoved = nesterov_step(theta, [torch.zeros_like(t) for t in theta], [t.clone() for t in momentum])
+    on_mean = [(got - s).abs() <= 1e-5 for got, s in zip(a.theta, stepped)]
+    on_zero = [(got - u).abs() <= 1e-5 for got, u in zip(a.theta, unmoved)]
+    assert all(bool((m | z).all()) for m, z in zip(on_mean, on_zero))
+    assert sum(int((z & ~m).sum()) for m, z in zip(on_mean, on_zero)) == pytest.approx(share * NUMEL, abs=1)
     assert events[0]["suspect_reducers"] == events[1]["suspect_reducers"] == ["x"]
     assert events[0]["outliers"] == events[1]["outliers"] == []  # what it sent was honest
     assert a.quarantine.flagged_reasons() == b.quarantine.flagged_reasons() == {"x": "reducer"}

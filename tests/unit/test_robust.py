@@ -182,6 +182,25 @@ def test_reducer_agreement_singles_out_a_reducer_that_reversed_its_share():
     assert reducer_agreement(merged, sent, unknown) == {}
 
 
+def test_a_share_against_the_outer_momentum_is_named_alike_by_every_member_on_the_base():
+    from p2p_diloco.algo.robust import against_momentum, reducer_agreement
+
+    rng = np.random.default_rng(5)
+    momentum = [torch.tensor(rng.normal(size=(40, 10)), dtype=torch.float32)]
+    # this round's mean update: along the momentum (cosine about 0.3), with noise of its own
+    merged = [0.3 * momentum[0] + torch.tensor(rng.normal(size=(40, 10)), dtype=torch.float32)]
+    reducer_of = torch.arange(400, dtype=torch.int16) // 100  # 4 reducers, 100 elements each
+    honest = reducer_agreement(merged, momentum, reducer_of)
+    assert all(c > 0.1 for c in honest.values()) and against_momentum(honest) == []
+    merged[0].view(-1)[100:200] *= -1  # reducer 1 returned its share reversed
+    assert against_momentum(reducer_agreement(merged, momentum, reducer_of)) == [1]
+    # a fresh state (no momentum yet), or too few reducers: nothing is named
+    assert reducer_agreement(merged, [torch.zeros_like(momentum[0])], reducer_of) == {}
+    assert against_momentum({0: 0.3, 1: -0.3}) == [] and against_momentum({0: 0.01, 1: 0.02, 2: -0.5}) == []
+    # a share a little against it while the others point along it is left as it is
+    assert against_momentum({0: 0.3, 1: 0.25, 2: -0.1}) == []
+
+
 def test_an_outlier_is_flagged_after_n_of_its_last_2n_minus_1_rounds_per_kind():
     from p2p_diloco.island.quarantine import Quarantine
 
