@@ -186,7 +186,8 @@ def reducer_agreement(merged: Sequence[torch.Tensor], sent: Sequence[torch.Tenso
     of the members it merged); a reducer that returns the average reversed, or anything unrelated to
     what the members sent, agrees far less. A reducer of a slice where we sent next to nothing
     (RMS below ``min_share`` x the median reducer's: rows of the embedding we never trained) is left
-    out: our agreement there says nothing.
+    out: our agreement there says nothing. :func:`against_momentum` takes the same cosine with the
+    outer momentum in place of ``sent``.
 
     :param merged: the round's merged values per tensor (value space), fp32
     :param sent: what this member sent per tensor (value space), same shapes
@@ -220,7 +221,7 @@ def reducer_agreement(merged: Sequence[torch.Tensor], sent: Sequence[torch.Tenso
     return result
 
 
-def against_momentum(agreement: dict[int, float], *, floor: float = 0.05, fraction: float = 0.5) -> list[int]:
+def against_momentum(agreement: dict[int, float], *, floor: float = 0.1, fraction: float = 0.5) -> list[int]:
     """The reducers whose share of a round's result points against the outer momentum while the
     other reducers' shares point along it (docs/SECURITY.md, "Lying reducers").
 

@@ -270,11 +270,19 @@ class OuterRound:
         """The group indices of the reducers whose share of the result points against the outer
         momentum of our base while the other reducers' shares point along it
         (:func:`p2p_diloco.algo.robust.against_momentum`). The caller does not apply their shares:
-        every member on our base holds the same momentum and got the same shares, so all of them
-        leave out the same parts and end on one state (docs/SECURITY.md, "Lying reducers")."""
-        if report.reducers is None or not report.peers:
+        every member on our base holds the same momentum (from honest donors: the hash covers Theta_p
+        alone) and got the same shares, so all of them leave out the same parts and end on one
+        state (docs/SECURITY.md, "Lying reducers"). The elements whose reducer failed kept each
+        member's own values and are left out of the comparison. No check (``momentum_check`` False
+        in the round's figures) when the averager could not record who reduced what or which parts
+        failed, or under RDA merges (the merged values are mean unit directions, not updates)."""
+        if report.reducers is None or not report.peers or report.failed < 0 or any(self.wire.rda):
+            figures["momentum_check"] = False
             return []
-        agreement = robust.reducer_agreement(merged, state.momentum, report.reducers)
+        reducer_of = report.reducers
+        if report.failed > 0:
+            reducer_of = reducer_of.masked_fill(report.failed_mask.to(torch.bool), -1)
+        agreement = robust.reducer_agreement(merged, state.momentum, reducer_of)
         if agreement:
             figures["momentum_agreement"] = round(statistics.median(agreement.values()), 4)
         against = robust.against_momentum(agreement)
