@@ -239,12 +239,7 @@ def against_momentum(agreement: dict[int, float], *, floor: float = 0.1, fractio
     :param fraction: a reducer below ``-fraction`` x the median points against it
     :returns: the group indices, sorted; none when fewer than 3 reducers are compared
     """
-    if len(agreement) < 3:
-        return []
-    median = statistics.median(agreement.values())
-    if median < floor:
-        return []
-    return sorted(index for index, value in agreement.items() if value < -fraction * median)
+    return _below_median(agreement, floor, -fraction)
 
 
 def disagreeing(agreement: dict[int, float], *, floor: float = 0.2, fraction: float = 0.25) -> list[int]:
@@ -256,9 +251,15 @@ def disagreeing(agreement: dict[int, float], *, floor: float = 0.2, fraction: fl
     :param fraction: a reducer below ``fraction`` x the median agreement disagrees
     :returns: the group indices that disagree, sorted; none when fewer than 3 reducers are compared
     """
+    return _below_median(agreement, floor, fraction)
+
+
+def _below_median(agreement: dict[int, float], floor: float, factor: float) -> list[int]:
+    """The indices whose value is below ``factor`` x the median of 3 or more values, sorted; none
+    when fewer are given or the median is below ``floor``."""
     if len(agreement) < 3:
         return []
     median = statistics.median(agreement.values())
     if median < floor:
         return []
-    return sorted(index for index, value in agreement.items() if value < fraction * median)
+    return sorted(index for index, value in agreement.items() if value < factor * median)

@@ -68,6 +68,14 @@ def _points_against(merged: Sequence[torch.Tensor], sent: Sequence[torch.Tensor]
     return sum(float((a.to(torch.float64) * b.to(torch.float64)).sum()) for a, b in zip(merged, sent)) < 0
 
 
+def _island_at(index: int, peers: Sequence, gathered: dict) -> Optional[str]:
+    """The island name that the member at group ``index`` gave in its gathered metadata, or None
+    (an index past the group, metadata that is not a dict or has no string name)."""
+    member = gathered.get(peers[index]) if 0 <= index < len(peers) else None
+    island = member.get("island") if isinstance(member, dict) else None
+    return island if isinstance(island, str) else None
+
+
 class OuterRound:
     """The rounds of one fragment.
 
@@ -287,8 +295,7 @@ class OuterRound:
             figures["momentum_agreement"] = round(statistics.median(agreement.values()), 4)
         against = robust.against_momentum(agreement)
         if against:
-            members = [gathered.get(report.peers[i]) if i < len(report.peers) else None for i in against]
-            figures["dropped_reducers"] = sorted(str(m.get("island")) if isinstance(m, dict) else "?" for m in members)
+            figures["dropped_reducers"] = sorted(_island_at(i, report.peers, gathered) or "?" for i in against)
             logger.warning("the shares of the round's result reduced by %s point against the outer momentum while "
                            "the others' point along it: not applied", ", ".join(figures["dropped_reducers"]))
         return against
@@ -305,9 +312,8 @@ class OuterRound:
         suspects = set(robust.disagreeing(agreement)) | set(also)
         far = []
         for index in agreement:
-            member = gathered.get(report.peers[index]) if index < len(report.peers) else None
-            island = member.get("island") if isinstance(member, dict) else None
-            if not isinstance(island, str) or island == self.island:
+            island = _island_at(index, report.peers, gathered)
+            if island is None or island == self.island:
                 continue
             if index in suspects:
                 far.append(island)
