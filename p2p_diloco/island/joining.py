@@ -14,6 +14,7 @@ from typing import Callable, Optional
 
 from p2p_diloco.errors import ConfigError, FingerprintMismatch, Interrupted
 from p2p_diloco.island import checkpoint as ckpt
+from p2p_diloco.island.repair import BaseRepair
 from p2p_diloco.island.store import FragmentStore
 from p2p_diloco.island.transfer import StateTransfer, reported_bases, vouched_bases
 from p2p_diloco.net.records import IslandProgress
@@ -100,9 +101,11 @@ def find_checkpoint(directory: str, fingerprint: str) -> tuple[Optional[ckpt.Isl
 
 
 def restore_from_checkpoint(saved: ckpt.IslandCheckpoint, path: Path, *, store: FragmentStore, learner, sampler,
-                            events: Callable[[dict], None]) -> None:
+                            repair: BaseRepair, events: Callable[[dict], None]) -> None:
     """Continue from a checkpoint: global states, then the inner state and the data position. A swarm
-    that moved on meanwhile is caught up by the first round's base check (keeping local progress).
+    that moved on meanwhile is caught up by the first round's base check, which keeps the progress
+    made since the restart but not the checkpoint's, which may be in the swarm already
+    (:meth:`BaseRepair.resumed`).
 
     :raises ConfigError: the checkpoint does not fit this model
     """
@@ -113,5 +116,7 @@ def restore_from_checkpoint(saved: ckpt.IslandCheckpoint, path: Path, *, store: 
         raise ConfigError(f"--checkpoint-dir: {path} does not fit this model ({e})") from None
     if saved.meta.get("sampler"):
         sampler.seek(saved.meta["sampler"])
+    for p, version in enumerate(store.versions):
+        repair.resumed(p, version, learner.read(p))
     events({"event": "resume", "path": str(path), "inner_step": saved.meta["inner_step"], "versions": store.versions,
             "batches_drawn": sampler.batches_drawn})

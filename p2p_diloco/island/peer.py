@@ -303,7 +303,8 @@ class Island:
         try:
             if self.resume is not None:
                 joining.restore_from_checkpoint(self.resume, self.resumed_from, store=self.store, learner=self.learner,
-                                                sampler=self.sampler, events=self.events)
+                                                sampler=self.sampler, repair=self.syncer.repair,
+                                                events=self.events)
                 self.resume = None  # release the tensors
             else:
                 joining.join_from_peers(self._donors(others),

@@ -6,7 +6,9 @@ pseudo-gradient computed from the wrong base (docs/DESIGN.md, "Joining, lagging 
 from __future__ import annotations
 
 import time
-from typing import Callable, Optional
+from typing import Callable, Optional, Sequence
+
+import torch
 
 from p2p_diloco.algo import outer
 from p2p_diloco.island.quarantine import Quarantine
@@ -33,6 +35,23 @@ class BaseRepair:
                  swarm_bases: SwarmBases, hand_over: HandOver, events: Callable[[dict], None], now: Callable[[], float]):
         self.store, self.transfer, self.quarantine = store, transfer, quarantine
         self.swarm_bases, self.hand_over, self.events, self.now = swarm_bases, hand_over, events, now
+        self._resumed: dict[int, tuple[int, list[torch.Tensor]]] = {}  # p -> (saved v_p, saved local params)
+
+    def resumed(self, p: int, version: int, params: Sequence[torch.Tensor]) -> None:
+        """Fragment p was restored from a checkpoint at ``version`` with the local parameters
+        ``params`` (fp32 CPU, fragment order; kept until :meth:`settle`).
+
+        The progress the checkpoint holds (``params`` - Theta_p) may already be in the swarm: rounds
+        that the island's killed process joined after the checkpoint was taken. So if the swarm holds
+        a newer Theta_p, the first reload measures the learner's progress from ``params`` instead of
+        from Theta_p: the progress made since the restart is kept, the checkpoint's is not sent twice
+        (docs/DESIGN.md, "Resuming from a checkpoint").
+        """
+        self._resumed[p] = (version, list(params))
+
+    def settle(self, p: int) -> None:
+        """Fragment p's progress goes into rounds from now on: measured from Theta_p as usual."""
+        self._resumed.pop(p, None)
 
     def target(self, p: int, state: FragmentState) -> Optional[tuple[int, str]]:
         """The (version, hash) of fragment p to reload, from the other live islands' records, or None.
@@ -57,17 +76,22 @@ class BaseRepair:
     def repair(self, p: int, *, deadline: float, why: str) -> bool:
         """If the swarm's Theta_p differs from ours (see :meth:`target`), download it before
         ``deadline`` (swarm time) and hand it to the learner, keeping the local progress made since
-        our own Theta_p. Returns False only when a reload was needed and failed."""
+        our own Theta_p (or since the checkpoint, see :meth:`resumed`). Returns False only when a
+        reload was needed and failed."""
         state = self.store.states[p]
         target = self.target(p, state)
         if target is None:
             return True
+        saved = self._resumed.get(p)
+        resumed = saved is not None and target[0] > saved[0]
         started = self.now()
         fresh = self.transfer.download_until(p, among={target},
                                              deadline=time.monotonic() + max(0.5, deadline - started))
         if fresh is not None:
-            self.hand_over(p, fresh, state.theta, reason="reload")
+            self.hand_over(p, fresh, saved[1] if resumed else state.theta, reason="reload")
+            self.settle(p)
         self.events({"event": "reload", "why": why, "fragment": p, "t_start": started, "t_end": self.now(),
                      "base_version": state.version, "target_version": target[0], "reloaded": fresh is not None,
-                     "new_version": self.store.versions[p], "new_hash": self.store.hashes[p]})
+                     "new_version": self.store.versions[p], "new_hash": self.store.hashes[p],
+                     **({"from_checkpoint": True} if resumed else {})})
         return fresh is not None

@@ -191,6 +191,7 @@ class Syncer:
         # metadata decides, and a member on the wrong base reloads after it (never skipping forever).
         if not self.repair.repair(p, deadline=slot.time - self.config.matchmaking_time / 2, why="behind"):
             logger.warning("fragment %d: could not reload the swarm's newer state; rounding from our own", p)
+        self.repair.settle(p)  # a resumed island's progress goes into this round (docs/DESIGN.md)
         state = self.store.states[p]
         timeout = max(0.05, slot.time - self.now() - self.config.matchmaking_time / 4)
         snapshot = self.learner.request_snapshot(p, timeout=timeout)

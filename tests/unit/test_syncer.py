@@ -117,6 +117,32 @@ def test_an_island_behind_the_swarm_reloads_before_contributing():
     assert donor.stats.state_bytes_sent == lagging.stats.state_bytes_received
 
 
+def test_a_resumed_island_does_not_send_the_checkpoints_progress_twice():
+    """After a restart from a checkpoint at v_p = 0, the swarm holds v_p = 3, which may include the
+    checkpoint's progress (rounds the killed process joined): the reload keeps only the progress
+    made since the restart. Without a newer state the checkpoint's progress goes into the round."""
+    theta = _params(0)
+    donor = Island("d", theta, theta, ChannelDouble(SHAPES))
+    donor.store.publish(0, donor.store.states[0].stepped(_params(5, 0.01), 3, 2, lr=0.7, momentum=0.9, nesterov=True))
+    swarm = [("d", [3], [donor.store.hashes[0]]), ("e", [3], [donor.store.hashes[0]])]
+    saved = [t - 0.05 for t in theta]  # the checkpoint's local parameters
+    resumed = Island("r", theta, [t - 0.02 for t in saved], ChannelDouble(SHAPES, result=None, donor=donor.transfer),
+                     bases=lambda: swarm)
+    resumed.syncer.repair.resumed(0, 0, saved)
+    resumed.round()
+    reload = [e for e in resumed.events if e["event"] == "reload"][-1]
+    assert reload["reloaded"] and reload["from_checkpoint"] and reload["new_version"] == 3
+    (update,) = resumed.learner.updates
+    assert update.mode == "carry"  # the learner ends at Theta_3 + (local - saved): 0.02 of progress, not 0.07
+    for correction, new, old in zip(update.tensors, donor.store.states[0].theta, saved):
+        torch.testing.assert_close(correction, new - old)
+    resumed.store.publish(0, resumed.store.states[0])
+    resumed.syncer.repair.resumed(0, 3, saved)  # a swarm no newer than the checkpoint: nothing to drop
+    resumed.round()
+    assert len(resumed.learner.updates) == 1 and resumed.channel.gathers[-1]["version"] == 3
+    assert resumed.syncer.repair._resumed == {}  # settled once a round took the progress
+
+
 def test_an_island_that_cannot_reload_still_takes_part():
     """A swarm that looks newer but serves nothing must not make us skip rounds forever."""
     theta = _params(0)
