@@ -42,6 +42,9 @@ class OuterUpdate:
     reason: str  # the round outcome that produced it, or "reload"
     reset_optimizer: bool = False
     not_before_step: int = 0  # land no earlier than this inner step (overlap tau); 0: at once
+    # when it lands, the fragment's (tokens, inner steps) marks become these: the next snapshot then
+    # claims only the work since (a resumed island whose checkpoint's progress was dropped); None: kept
+    marks: Optional[tuple[int, int]] = None
 
 
 def make_update(fragment: int, theta: Sequence[torch.Tensor], version: int, *, base: Optional[Sequence[torch.Tensor]],

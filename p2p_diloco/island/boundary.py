@@ -114,6 +114,8 @@ class StepBoundary:
                 param.copy_(theta)
                 if update.reset_optimizer:
                     self.optimizer.state.pop(param, None)  # AdamW starts these moments afresh
+        if update.marks is not None:
+            self.marks[update.fragment] = update.marks
         self.stats.updates_applied += 1
         if ranks is not None and not ranks.collective_reads:  # (FSDP's ranks hold disjoint shards)
             checksum = ranks.agree(params)

@@ -117,6 +117,6 @@ def restore_from_checkpoint(saved: ckpt.IslandCheckpoint, path: Path, *, store: 
     if saved.meta.get("sampler"):
         sampler.seek(saved.meta["sampler"])
     for p, version in enumerate(store.versions):
-        repair.resumed(p, version, learner.read(p))
+        repair.resumed(p, version, learner.read(p), (learner.stats.tokens, learner.stats.inner_steps))
     events({"event": "resume", "path": str(path), "inner_step": saved.meta["inner_step"], "versions": store.versions,
             "batches_drawn": sampler.batches_drawn})

@@ -35,22 +35,26 @@ class BaseRepair:
                  swarm_bases: SwarmBases, hand_over: HandOver, events: Callable[[dict], None], now: Callable[[], float]):
         self.store, self.transfer, self.quarantine = store, transfer, quarantine
         self.swarm_bases, self.hand_over, self.events, self.now = swarm_bases, hand_over, events, now
-        self._resumed: dict[int, tuple[int, list[torch.Tensor]]] = {}  # p -> (saved v_p, saved local params)
+        # p -> (saved v_p, saved local params, (tokens, inner steps) at the restore)
+        self._resumed: dict[int, tuple[int, list[torch.Tensor], tuple[int, int]]] = {}
 
-    def resumed(self, p: int, version: int, params: Sequence[torch.Tensor]) -> None:
+    def resumed(self, p: int, version: int, params: Sequence[torch.Tensor], marks: tuple[int, int]) -> None:
         """Fragment p was restored from a checkpoint at ``version`` with the local parameters
-        ``params`` (fp32 CPU, fragment order; kept until :meth:`settle`).
+        ``params`` (fp32 CPU, fragment order; kept until :meth:`settle`); ``marks``: the learner's
+        (tokens, inner steps) totals at the restore.
 
         The progress the checkpoint holds (``params`` - Theta_p) may already be in the swarm: rounds
         that the island's killed process joined after the checkpoint was taken. So if the swarm holds
-        a newer Theta_p, the first reload measures the learner's progress from ``params`` instead of
-        from Theta_p: the progress made since the restart is kept, the checkpoint's is not sent twice
-        (docs/DESIGN.md, "Resuming from a checkpoint").
+        a newer Theta_p, the reload measures the learner's progress from ``params`` instead of from
+        Theta_p (a carry update, whatever the run's ``apply``), and the next snapshot claims only the
+        tokens and steps trained since the restore: the progress made since the restart is kept, the
+        checkpoint's is not sent twice (docs/DESIGN.md, "Resuming from a checkpoint").
         """
-        self._resumed[p] = (version, list(params))
+        self._resumed[p] = (version, list(params), marks)
 
     def settle(self, p: int) -> None:
-        """Fragment p's progress goes into rounds from now on: measured from Theta_p as usual."""
+        """Fragment p got a new state (a round's, or a reload's): from now on its progress is
+        measured from Theta_p as usual, and the checkpoint's copy is released."""
         self._resumed.pop(p, None)
 
     def target(self, p: int, state: FragmentState) -> Optional[tuple[int, str]]:
@@ -88,7 +92,10 @@ class BaseRepair:
         fresh = self.transfer.download_until(p, among={target},
                                              deadline=time.monotonic() + max(0.5, deadline - started))
         if fresh is not None:
-            self.hand_over(p, fresh, saved[1] if resumed else state.theta, reason="reload")
+            if resumed:
+                self.hand_over(p, fresh, saved[1], reason="reload", apply="carry", marks=saved[2])
+            else:
+                self.hand_over(p, fresh, state.theta, reason="reload")
             self.settle(p)
         self.events({"event": "reload", "why": why, "fragment": p, "t_start": started, "t_end": self.now(),
                      "base_version": state.version, "target_version": target[0], "reloaded": fresh is not None,

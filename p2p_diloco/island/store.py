@@ -158,10 +158,14 @@ class HandOver:
         self.store, self.learner, self.apply, self.alpha = store, learner, apply, alpha
 
     def __call__(self, p: int, state: FragmentState, base: Optional[Sequence[torch.Tensor]], *, reason: str,
-                 reset_optimizer: bool = False, not_before: int = 0) -> None:
+                 reset_optimizer: bool = False, not_before: int = 0, apply: Optional[str] = None,
+                 marks: Optional[tuple[int, int]] = None) -> None:
         """Hand ``state`` over; ``base`` is what the learner's progress is measured from (None:
         replace the local parameters outright); ``not_before``: the inner step before which the
-        learner keeps training without it (overlap)."""
-        update = make_update(p, state.theta, state.version, base=base, apply=self.apply, alpha=self.alpha,
+        learner keeps training without it (overlap); ``apply``: this update's mode instead of the
+        run's; ``marks``: the fragment's (tokens, inner steps) marks once it lands
+        (:class:`~p2p_diloco.algo.handoff.OuterUpdate`)."""
+        update = make_update(p, state.theta, state.version, base=base, apply=apply or self.apply, alpha=self.alpha,
                              reason=reason, reset_optimizer=reset_optimizer, not_before=not_before)
+        update.marks = marks
         self.store.hand_over(p, state, update, self.learner)

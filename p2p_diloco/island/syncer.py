@@ -191,7 +191,6 @@ class Syncer:
         # metadata decides, and a member on the wrong base reloads after it (never skipping forever).
         if not self.repair.repair(p, deadline=slot.time - self.config.matchmaking_time / 2, why="behind"):
             logger.warning("fragment %d: could not reload the swarm's newer state; rounding from our own", p)
-        self.repair.settle(p)  # a resumed island's progress goes into this round (docs/DESIGN.md)
         state = self.store.states[p]
         timeout = max(0.05, slot.time - self.now() - self.config.matchmaking_time / 4)
         snapshot = self.learner.request_snapshot(p, timeout=timeout)
@@ -211,6 +210,7 @@ class Syncer:
             self.hand_over(p, outcome.state, outcome.base, reason="reload" if outcome.outcome == "nonfinite"
                            else outcome.outcome, reset_optimizer=outcome.reset_optimizer,
                            not_before=snapshot.step + overlap if overlap and snapshot is not None else 0)
+            self.repair.settle(p)  # a resumed island's checkpoint progress went into it (docs/DESIGN.md)
         event = {"event": "round", "fragment": p, "slot": slot.index, "slot_time": slot.time, "t_start": started,
                  **outcome.figures, "outcome": outcome.outcome}
         if outcome.outcome in ("ok", "empty", "fallback"):

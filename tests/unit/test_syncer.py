@@ -118,29 +118,47 @@ def test_an_island_behind_the_swarm_reloads_before_contributing():
 
 
 def test_a_resumed_island_does_not_send_the_checkpoints_progress_twice():
-    """After a restart from a checkpoint at v_p = 0, the swarm holds v_p = 3, which may include the
+    """After a restart from a checkpoint at v_p = 0 the swarm holds v_p = 3, which may include the
     checkpoint's progress (rounds the killed process joined): the reload keeps only the progress
-    made since the restart. Without a newer state the checkpoint's progress goes into the round."""
+    made since the restart and the next snapshot claims only its tokens, even when the first round
+    after the restart landed nothing (a deferred fallback), and under ``apply = "mix"`` too."""
     theta = _params(0)
     donor = Island("d", theta, theta, ChannelDouble(SHAPES))
     donor.store.publish(0, donor.store.states[0].stepped(_params(5, 0.01), 3, 2, lr=0.7, momentum=0.9, nesterov=True))
-    swarm = [("d", [3], [donor.store.hashes[0]]), ("e", [3], [donor.store.hashes[0]])]
+    newer = [("d", [3], [donor.store.hashes[0]]), ("e", [3], [donor.store.hashes[0]])]
     saved = [t - 0.05 for t in theta]  # the checkpoint's local parameters
-    resumed = Island("r", theta, [t - 0.02 for t in saved], ChannelDouble(SHAPES, result=None, donor=donor.transfer),
+    for apply in ("carry", "mix"):
+        swarm = []
+        resumed = Island("r", theta, [t - 0.02 for t in saved], ChannelDouble(SHAPES, result=None, donor=donor.transfer),
+                         bases=lambda: swarm, config=CONFIG.model_copy(update={"apply": apply}))
+        resumed.syncer.repair.resumed(0, 0, saved, (1000, 40))
+        assert resumed.round()["deferred"] and not resumed.learner.updates  # nothing landed: still marked
+        swarm[:] = newer
+        resumed.round()
+        reload = [e for e in resumed.events if e["event"] == "reload"][-1]
+        assert reload["reloaded"] and reload["from_checkpoint"] and reload["new_version"] == 3
+        (update,) = resumed.learner.updates
+        assert update.mode == "carry" and update.marks == (1000, 40)  # Theta_3 + (local - saved): 0.02, not 0.07
+        for correction, new, old in zip(update.tensors, donor.store.states[0].theta, saved):
+            torch.testing.assert_close(correction, new - old)
+
+
+def test_a_resumed_island_keeps_its_checkpoints_progress_where_the_swarm_did_not_move_on():
+    """A reload at the checkpoint's own version (we resumed on a lone fork) measures progress from
+    Theta_p as any reload does: no round after the checkpoint can have landed."""
+    theta = _params(0)
+    fork = Island("d", _params(1), theta, ChannelDouble(SHAPES))
+    swarm = [("d", [0], [fork.store.hashes[0]]), ("e", [0], [fork.store.hashes[0]])]
+    resumed = Island("r", theta, [t - 0.05 for t in theta], ChannelDouble(SHAPES, result=None, donor=fork.transfer),
                      bases=lambda: swarm)
-    resumed.syncer.repair.resumed(0, 0, saved)
+    resumed.syncer.repair.resumed(0, 0, [t - 0.03 for t in theta], (1000, 40))
     resumed.round()
     reload = [e for e in resumed.events if e["event"] == "reload"][-1]
-    assert reload["reloaded"] and reload["from_checkpoint"] and reload["new_version"] == 3
+    assert reload["reloaded"] and "from_checkpoint" not in reload and reload["new_version"] == 0
     (update,) = resumed.learner.updates
-    assert update.mode == "carry"  # the learner ends at Theta_3 + (local - saved): 0.02 of progress, not 0.07
-    for correction, new, old in zip(update.tensors, donor.store.states[0].theta, saved):
+    assert update.marks is None
+    for correction, new, old in zip(update.tensors, fork.store.states[0].theta, theta):
         torch.testing.assert_close(correction, new - old)
-    resumed.store.publish(0, resumed.store.states[0])
-    resumed.syncer.repair.resumed(0, 3, saved)  # a swarm no newer than the checkpoint: nothing to drop
-    resumed.round()
-    assert len(resumed.learner.updates) == 1 and resumed.channel.gathers[-1]["version"] == 3
-    assert resumed.syncer.repair._resumed == {}  # settled once a round took the progress
 
 
 def test_an_island_that_cannot_reload_still_takes_part():
