@@ -28,7 +28,7 @@ from p2p_diloco.island import joining
 from p2p_diloco.island.events import EventLog
 from p2p_diloco.island.explog import ExperimentLog
 from p2p_diloco.island.learner import Learner
-from p2p_diloco.island.quarantine import Quarantine
+from p2p_diloco.island.quarantine import Quarantine, caught_flags
 from p2p_diloco.island.ranks import IslandRanks
 from p2p_diloco.island.reporter import Reporter, StatusLine
 from p2p_diloco.island.store import FragmentStore
@@ -268,7 +268,7 @@ class Island:
         """After each read of the others' records: learn which islands the swarm caught sending
         garbage (a restart forgets), and tell a client when no full member is left to meet."""
         ours = [r for r in others if r.fingerprint == self.fingerprint]
-        self.quarantine.adopt([(r.island, r.flagged) for r in ours], self.clock.now())
+        self.quarantine.adopt([(r.island, caught_flags(r.flagged, r.flag_reasons)) for r in ours], self.clock.now())
         if self.client_mode:
             full = any(not is_client(r.reachability) for r in ours)
             if not full and not self._no_full_member:

@@ -12,7 +12,7 @@ import logging
 import math
 import threading
 from collections import deque
-from typing import Callable, Optional, Sequence
+from typing import Callable, Mapping, Optional, Sequence
 
 logger = logging.getLogger(__name__)
 
@@ -130,27 +130,29 @@ class Quarantine:
         return format(hashlib.sha256("|".join(flagged).encode()).digest()[0], "08b")
 
     def adopt(self, reports: Sequence[tuple[str, Sequence[str]]], now: float) -> list[str]:
-        """Flag the islands that a strict majority of the other live islands flagged (their records'
-        ``flagged``), so that a restarted island keeps away from a faulty one at once instead of
-        meeting it under the default group key first. Only islands this one never flagged: otherwise
-        islands would re-adopt each other's flags and no probation would ever end.
+        """Flag the islands that a strict majority of the other live islands caught (their records'
+        flags that are not adopted ones, :func:`caught_flags`) and that we do not flag now, so that
+        a restarted island keeps away from a faulty one at once instead of meeting it under the
+        default group key first, and so that the islands that did not meet it while it misbehaved
+        do not stay under another group key than those that caught it: two groups of one slot step
+        two forks of one version (docs/CHAOS.md, run H3: the last 3 minutes as groups of 2 and 3).
+        Adopted flags have no vote, so islands cannot keep one another's flags alive: every vote
+        ends with its catcher's probation.
 
-        An adopted flag lasts while a strict majority still holds it (and at most its own
+        An adopted flag lasts while a strict majority still holds a caught one (and at most its own
         probation): the others' probations began before ours, and the flag changes our group key,
         so holding it alone after they lifted theirs kept a restarted island out of every round
         for up to a whole probation (docs/CHAOS.md, run E: 2 minutes, all of its rounds alone). It
         is lifted after :data:`RELEASE_READS` reads in a row without such a majority, so that one
-        read that missed the holders' records lifts nothing. Lifted, it is not adopted again: if
-        the others catch the island again, this one meets it alone under the default key and
-        catches it itself (docs/SECURITY.md, "What stays open").
+        read that missed the holders' records lifts nothing.
 
-        :param reports: (island, islands it flagged) of the other live islands
+        :param reports: (island, islands it caught) of the other live islands
         :returns: the islands newly flagged
         """
         adopted = []
         for culprit in sorted({c for _, flags in reports for c in flags}):
-            if culprit == self.island or culprit in self.strikes:
-                continue  # ours to judge: we caught it (or adopted it) before, and its probation is ours
+            if culprit == self.island or culprit in self.flagged:
+                continue  # never ourselves; flagged already (caught or adopted)
             votes, voters = self._votes(reports, culprit)
             if voters and 2 * votes > voters and self.flag(culprit, "adopted", now):
                 logger.warning("island %s was flagged by %d of %d other islands: its rounds are avoided",
@@ -184,3 +186,10 @@ class Quarantine:
             del self.flagged[island]
         logger.warning("island %s: its adopted flag is lifted (%s): its rounds are no longer avoided", island, why)
         self.events({"event": "unflag", "culprit": island, "how": "released"})
+
+
+def caught_flags(flagged: Sequence[str], reasons: Mapping[str, str]) -> list[str]:
+    """The islands of a progress record's ``flagged`` that its writer caught itself, not adopted
+    (``reasons``: the record's ``flag_reasons``; a record without one counts as caught). Only these
+    vote in :meth:`Quarantine.adopt`."""
+    return [island for island in flagged if reasons.get(island) != "adopted"]

@@ -20,7 +20,7 @@ from p2p_diloco.algo.fragments import FragmentLayout
 from p2p_diloco.algo.schedule import RoundSlot
 from p2p_diloco.config import OuterConfig
 from p2p_diloco.island.contribution import RoundFormat
-from p2p_diloco.island.quarantine import Quarantine
+from p2p_diloco.island.quarantine import Quarantine, caught_flags
 from p2p_diloco.island.store import FragmentState, FragmentStore
 from tests.doubles import ChannelDouble, IslandParts, LearnerDouble
 
@@ -293,8 +293,26 @@ def test_a_restarted_island_adopts_the_flags_of_a_majority():
     assert quarantine.adopt([("b", ["x", "a"]), ("c", ["x"]), ("x", ["b", "c"])], 0.0) == ["x"]
     assert "x" in quarantine and "a" not in quarantine  # never flags itself
     assert quarantine.adopt([("b", ["x"]), ("c", ["x"])], 1.0) == []  # already flagged
-    quarantine.expire(1e9)  # our probation of x is over while the others' still runs
-    assert quarantine.adopt([("b", ["x"]), ("c", ["x"])], 1e9) == []  # no re-adopting: our own probation decides
+    quarantine.expire(1e9)  # our probation of x is over while the others' caught ones still run
+    assert quarantine.adopt([("b", ["x"]), ("c", ["x"])], 1e9) == ["x"]  # so we stay under their group key
+
+
+def test_islands_that_missed_an_attack_join_the_majority_that_caught_it():
+    """Run H3 (docs/CHAOS.md): d caught x once; later b and c caught it again while d did not meet it.
+    d adopts their flag, so the honest islands meet under one group key instead of stepping two forks
+    of one version in two groups. Adopted flags have no vote (islands would keep them alive)."""
+    d = Quarantine(island="d", probation=60.0, slot_spacing=5.0, check_lead=1.0)
+    d.flag("x", "caught", 0.0)
+    d.expire(1000.0)
+    assert d.adopt([("b", ["x"]), ("c", ["x"]), ("e", []), ("x", [])], 1000.0) == ["x"]
+    b = Quarantine(island="b", probation=60.0, slot_spacing=5.0, check_lead=1.0)
+    b.flag("x", "caught", 990.0)
+    assert d.group_bits(1000.0) == b.group_bits(1000.0)
+    assert caught_flags(["x", "y"], {"x": "adopted", "y": "outlier"}) == ["y"]
+    assert caught_flags(["x"], {}) == ["x"]  # a record without reasons: its flags are its catches
+    f = Quarantine(island="f", probation=60.0, slot_spacing=5.0, check_lead=1.0)
+    adopted_only = caught_flags(["x"], {"x": "adopted"})
+    assert f.adopt([("b", adopted_only), ("c", adopted_only), ("e", [])], 0.0) == [] and "x" not in f
 
 
 def test_an_adopted_flag_ends_when_the_majority_lifts_theirs():
@@ -317,10 +335,11 @@ def test_an_adopted_flag_ends_when_the_majority_lifts_theirs():
     only_y = Quarantine(island="e", probation=60.0, slot_spacing=5.0, check_lead=1.0)
     only_y.flag("y", "caught", 0.0)
     assert quarantine.group_bits(11.0) == only_y.group_bits(11.0)  # it meets those that avoid y alone
-    # lifted, x is never re-adopted from the others' word (islands would keep each other's flags alive)
-    assert quarantine.adopt([("b", ["x"]), ("c", ["x"]), ("d", ["x"])], 20.0) == [] and "x" not in quarantine
+    # lifted, x is adopted again only when a majority catches it again
+    assert quarantine.adopt([("b", ["x"]), ("c", []), ("d", [])], 20.0) == [] and "x" not in quarantine
+    assert quarantine.adopt([("b", ["x"]), ("c", ["x"]), ("d", ["x"])], 21.0) == ["x"]
     # y was caught, never adopted: no majority of the others' word lifts it
-    assert quarantine.adopt([("b", []), ("c", []), ("d", [])], 21.0) == [] and quarantine.adopt([("b", [])], 22.0) == []
+    assert quarantine.adopt([("b", []), ("c", []), ("d", [])], 22.0) == [] and quarantine.adopt([("b", [])], 23.0) == []
     assert "y" in quarantine
 
 
