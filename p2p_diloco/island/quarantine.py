@@ -42,7 +42,9 @@ class Quarantine:
         self.slot_spacing, self.check_lead = slot_spacing, check_lead
         self.flagged: dict[str, float] = {}  # island -> end of its probation (wall clock)
         self.reasons: dict[str, str] = {}  # island -> why it was flagged last
-        self.strikes: dict[str, int] = {}  # times each island was flagged
+        self.strikes: dict[str, int] = {}  # times we caught each island (adopted flags are no strikes)
+        self._adopted: set[str] = set()  # islands whose flag we adopted at least once
+        self._ever = False  # whether we ever flagged anyone (the group key: see group_bits)
         self.outlier_rounds = outlier_rounds
         self._outliers: dict[tuple, deque] = {}  # (island, kind) -> its last 2n - 1 rounds with us: outlier or not
         self._unheld: dict[str, int] = {}  # adopted flag -> reads in a row without a majority holding it
@@ -75,8 +77,13 @@ class Quarantine:
             self.reasons[island] = reason if how == "caught" else "adopted"
             for kind in ("outlier", "reducer"):  # a fresh record after its probation
                 self._outliers.pop((island, kind), None)
-            self.strikes[island] = self.strikes.get(island, 0) + 1
-            seconds = self.probation * 2.0 ** min(self.strikes[island] - 1, 16)
+            self._ever = True
+            if how == "caught":
+                self.strikes[island] = self.strikes.get(island, 0) + 1
+                seconds = self.probation * 2.0 ** min(self.strikes[island] - 1, 16)
+            else:  # a cap only (it lasts while a majority holds it): one strike more than we saw
+                self._adopted.add(island)
+                seconds = self.probation * 2.0 ** min(self.strikes.get(island, 0), 16)
             # halfway between two rounds' checks (made check_lead before each slot)
             step, shift = self.slot_spacing, self.check_lead - self.slot_spacing / 2
             self.flagged[island] = math.ceil((now + seconds + shift) / step) * step - shift
@@ -124,7 +131,7 @@ class Quarantine:
         more, and None while we never flagged anyone (the default key, left untouched)."""
         self.expire(now)
         with self._lock:
-            flagged, ever = sorted(self.flagged), bool(self.strikes)
+            flagged, ever = sorted(self.flagged), self._ever
         if not flagged:
             return "" if ever else None
         return format(hashlib.sha256("|".join(flagged).encode()).digest()[0], "08b")
@@ -133,11 +140,15 @@ class Quarantine:
         """Flag the islands that a strict majority of the other live islands caught (their records'
         flags that are not adopted ones, :func:`caught_flags`) and that we do not flag now, so that
         a restarted island keeps away from a faulty one at once instead of meeting it under the
-        default group key first, and so that the islands that did not meet it while it misbehaved
-        do not stay under another group key than those that caught it: two groups of one slot step
-        two forks of one version (docs/CHAOS.md, run H3: the last 3 minutes as groups of 2 and 3).
+        default group key first. An island we caught ourselves before is adopted again whenever
+        such a majority catches it again, so that the islands that did not meet it this time do not
+        stay under another group key than those that caught it: two groups of one slot step two
+        forks of one version (docs/CHAOS.md, run H3: the last 3 minutes as groups of 2 and 3). Any
+        other island is adopted once per life: in a small swarm a strict majority of the others can
+        be one liar, whose word must not keep an honest island out for more than one probation.
         Adopted flags have no vote, so islands cannot keep one another's flags alive: every vote
-        ends with its catcher's probation.
+        ends with its catcher's probation. Adopting is no strike: our own catches alone double the
+        probations we set (an adopted flag's cap is one doubling more than our own count).
 
         An adopted flag lasts while a strict majority still holds a caught one (and at most its own
         probation): the others' probations began before ours, and the flag changes our group key,
@@ -153,6 +164,8 @@ class Quarantine:
         for culprit in sorted({c for _, flags in reports for c in flags}):
             if culprit == self.island or culprit in self.flagged:
                 continue  # never ourselves; flagged already (caught or adopted)
+            if culprit in self._adopted and culprit not in self.strikes:
+                continue  # adopted once on the others' word alone: not again in this life
             votes, voters = self._votes(reports, culprit)
             if voters and 2 * votes > voters and self.flag(culprit, "adopted", now):
                 logger.warning("island %s was flagged by %d of %d other islands: its rounds are avoided",

@@ -18,6 +18,7 @@ def progress_record(island, state: str) -> IslandProgress:
     """
     stats, sync, learner = island.learner.stats, island.sync_stats, island.learner
     speed = learner.tokens_per_second()
+    reasons = island.quarantine.flagged_reasons()  # (one read: the names and their reasons agree)
     return IslandProgress(
         island=island.config.island, peer_id=island.peer_id, fingerprint=island.fingerprint,
         device=island.device_name, state=state, maddrs=island.maddrs, inner_step=stats.inner_steps,
@@ -26,7 +27,7 @@ def progress_record(island, state: str) -> IslandProgress:
         loss=finite_or_none(stats.loss_ema), eval_loss=finite_or_none(stats.eval_loss),
         fragment_versions=island.store.versions, fragment_hashes=island.store.hashes,
         rounds_ok=sync.rounds_ok, rounds_failed=sync.rounds_failed, rounds_rejected=sync.rounds_rejected,
-        flagged=island.quarantine.names(), flag_reasons=island.quarantine.flagged_reasons(), refused=island.refused_peers(), bytes_sent=sync.bytes_sent, bytes_received=sync.bytes_received,
+        flagged=list(reasons), flag_reasons=reasons, refused=island.refused_peers(), bytes_sent=sync.bytes_sent, bytes_received=sync.bytes_received,
         peak_bytes_per_step=sync.peak_bytes_per_step, utilization=float(stats.utilization),
         goodput=float(min(1.0, stats.inner_time / max(1e-9, time.time() - island.launched))),
         clock_offset=round(float(island.clock.offset), 4), reachability=island.reachability, started=float(stats.first_step_start), time=time.time(),

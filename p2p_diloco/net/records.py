@@ -52,8 +52,8 @@ class IslandProgress(BaseModel):
     rounds_ok: Count
     rounds_failed: Count
     rounds_rejected: Count  # results refused because a member sent garbage
-    flagged: List[StrictStr]  # islands this one caught sending garbage or far-off updates
-    flag_reasons: Dict[StrictStr, StrictStr] = {}  # flagged island -> garbage | outlier | adopted
+    flagged: List[StrictStr]  # islands this one flags: caught sending garbage or far-off updates, or adopted
+    flag_reasons: Dict[StrictStr, StrictStr] = {}  # flagged island -> garbage | outlier | reducer | adopted
     refused: List[StrictStr] = []  # peer ids this island refused admission (a private run)
     bytes_sent: Count
     bytes_received: Count

@@ -294,17 +294,23 @@ def test_a_restarted_island_adopts_the_flags_of_a_majority():
     assert "x" in quarantine and "a" not in quarantine  # never flags itself
     assert quarantine.adopt([("b", ["x"]), ("c", ["x"])], 1.0) == []  # already flagged
     quarantine.expire(1e9)  # our probation of x is over while the others' caught ones still run
-    assert quarantine.adopt([("b", ["x"]), ("c", ["x"])], 1e9) == ["x"]  # so we stay under their group key
+    # adopted once on the others' word alone: not again in this life (in a small swarm the majority
+    # of the others can be one liar, who must not keep an honest island out for ever)
+    assert quarantine.adopt([("b", ["x"]), ("c", ["x"])], 1e9) == []
 
 
 def test_islands_that_missed_an_attack_join_the_majority_that_caught_it():
     """Run H3 (docs/CHAOS.md): d caught x once; later b and c caught it again while d did not meet it.
     d adopts their flag, so the honest islands meet under one group key instead of stepping two forks
     of one version in two groups. Adopted flags have no vote (islands would keep them alive)."""
-    d = Quarantine(island="d", probation=60.0, slot_spacing=5.0, check_lead=1.0)
+    events = []
+    d = Quarantine(island="d", probation=60.0, slot_spacing=5.0, check_lead=1.0, events=events.append)
     d.flag("x", "caught", 0.0)
     d.expire(1000.0)
     assert d.adopt([("b", ["x"]), ("c", ["x"]), ("e", []), ("x", [])], 1000.0) == ["x"]
+    assert events[-1]["seconds"] == 120.0 and d.strikes == {"x": 1}  # a cap one doubling past ours; no strike
+    d.expire(1200.0)  # the cap ran out while the majority still holds its catches: adopted again
+    assert d.adopt([("b", ["x"]), ("c", ["x"]), ("e", [])], 1200.0) == ["x"] and d.strikes == {"x": 1}
     b = Quarantine(island="b", probation=60.0, slot_spacing=5.0, check_lead=1.0)
     b.flag("x", "caught", 990.0)
     assert d.group_bits(1000.0) == b.group_bits(1000.0)
@@ -335,9 +341,8 @@ def test_an_adopted_flag_ends_when_the_majority_lifts_theirs():
     only_y = Quarantine(island="e", probation=60.0, slot_spacing=5.0, check_lead=1.0)
     only_y.flag("y", "caught", 0.0)
     assert quarantine.group_bits(11.0) == only_y.group_bits(11.0)  # it meets those that avoid y alone
-    # lifted, x is adopted again only when a majority catches it again
-    assert quarantine.adopt([("b", ["x"]), ("c", []), ("d", [])], 20.0) == [] and "x" not in quarantine
-    assert quarantine.adopt([("b", ["x"]), ("c", ["x"]), ("d", ["x"])], 21.0) == ["x"]
+    # lifted, x is not adopted again by an island that never caught it itself
+    assert quarantine.adopt([("b", ["x"]), ("c", ["x"]), ("d", ["x"])], 20.0) == [] and "x" not in quarantine
     # y was caught, never adopted: no majority of the others' word lifts it
     assert quarantine.adopt([("b", []), ("c", []), ("d", [])], 22.0) == [] and quarantine.adopt([("b", [])], 23.0) == []
     assert "y" in quarantine
