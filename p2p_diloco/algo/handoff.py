@@ -49,7 +49,7 @@ class OuterUpdate:
 
 def make_update(fragment: int, theta: Sequence[torch.Tensor], version: int, *, base: Optional[Sequence[torch.Tensor]],
                 apply: str, alpha: float, reason: str, reset_optimizer: bool = False,
-                not_before: int = 0) -> OuterUpdate:
+                not_before: int = 0, marks: Optional[tuple[int, int]] = None) -> OuterUpdate:
     """The update that makes ``theta`` (the new Theta_p, fp32) the learner's global parameters.
 
     :param base: what the learner's progress is measured from (the snapshot that went into the
@@ -58,13 +58,14 @@ def make_update(fragment: int, theta: Sequence[torch.Tensor], version: int, *, b
         (Streaming DiLoCo's overlap, arXiv 2501.18512, Sec. 2.3, and eager updates, arXiv
         2502.12996), ``mix`` mixes theta <- alpha * theta + (1 - alpha) * Theta_new
     :param not_before: the inner step before which the learner keeps training without it (tau)
+    :param marks: the fragment's (tokens, inner steps) marks once it lands (``OuterUpdate.marks``)
     """
     if base is None:
-        return OuterUpdate(fragment, "replace", list(theta), 0.0, version, reason, reset_optimizer)
+        return OuterUpdate(fragment, "replace", list(theta), 0.0, version, reason, reset_optimizer, marks=marks)
     if apply == "mix":
-        return OuterUpdate(fragment, "mix", list(theta), alpha, version, reason, not_before_step=not_before)
+        return OuterUpdate(fragment, "mix", list(theta), alpha, version, reason, not_before_step=not_before, marks=marks)
     return OuterUpdate(fragment, "carry", carry_correction(theta, base), 0.0, version, reason,
-                       not_before_step=not_before)
+                       not_before_step=not_before, marks=marks)
 
 
 class LearnerLink(Protocol):

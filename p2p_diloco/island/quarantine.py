@@ -44,7 +44,6 @@ class Quarantine:
         self.reasons: dict[str, str] = {}  # island -> why it was flagged last
         self.strikes: dict[str, int] = {}  # times we caught each island (adopted flags are no strikes)
         self._adopted: set[str] = set()  # islands whose flag we adopted at least once
-        self._ever = False  # whether we ever flagged anyone (the group key: see group_bits)
         self.outlier_rounds = outlier_rounds
         self._outliers: dict[tuple, deque] = {}  # (island, kind) -> its last 2n - 1 rounds with us: outlier or not
         self._unheld: dict[str, int] = {}  # adopted flag -> reads in a row without a majority holding it
@@ -77,7 +76,6 @@ class Quarantine:
             self.reasons[island] = reason if how == "caught" else "adopted"
             for kind in ("outlier", "reducer"):  # a fresh record after its probation
                 self._outliers.pop((island, kind), None)
-            self._ever = True
             if how == "caught":
                 self.strikes[island] = self.strikes.get(island, 0) + 1
                 seconds = self.probation * 2.0 ** min(self.strikes[island] - 1, 16)
@@ -131,7 +129,7 @@ class Quarantine:
         more, and None while we never flagged anyone (the default key, left untouched)."""
         self.expire(now)
         with self._lock:
-            flagged, ever = sorted(self.flagged), self._ever
+            flagged, ever = sorted(self.flagged), bool(self.strikes or self._adopted)
         if not flagged:
             return "" if ever else None
         return format(hashlib.sha256("|".join(flagged).encode()).digest()[0], "08b")

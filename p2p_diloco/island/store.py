@@ -166,6 +166,5 @@ class HandOver:
         run's; ``marks``: the fragment's (tokens, inner steps) marks once it lands
         (:class:`~p2p_diloco.algo.handoff.OuterUpdate`)."""
         update = make_update(p, state.theta, state.version, base=base, apply=apply or self.apply, alpha=self.alpha,
-                             reason=reason, reset_optimizer=reset_optimizer, not_before=not_before)
-        update.marks = marks
+                             reason=reason, reset_optimizer=reset_optimizer, not_before=not_before, marks=marks)
         self.store.hand_over(p, state, update, self.learner)
