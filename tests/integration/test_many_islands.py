@@ -4,6 +4,8 @@ client-mode members (as islands behind NAT are: their DHT nodes store and serve 
 
 from __future__ import annotations
 
+import collections
+
 import pytest
 
 from p2p_diloco.lab.scale import measure, parse_args
@@ -13,7 +15,7 @@ from tests.integration.helpers import rounds_by_slot
 pytestmark = pytest.mark.integration
 
 
-def test_sixteen_islands_complete_rounds_in_one_group_and_agree_on_every_fragment_version(tmp_path):
+def test_sixteen_islands_complete_rounds_agree_on_every_fragment_version_and_heal_forks(tmp_path):
     # a round every 8 s (one fragment), 2 of them measured once all 16 train (about 40 s of start-up here)
     args = parse_args(["--islands", "16", "--client-islands", "12", "--rounds", "2", "--period", "8",
                        "--step-s", "0.5", "--matchmaking-time", "2", "--progress-period", "4", "--start-timeout", "300"])
@@ -23,15 +25,31 @@ def test_sixteen_islands_complete_rounds_in_one_group_and_agree_on_every_fragmen
     outcomes = row["outcomes"]
     assert outcomes.get("ok", 0) >= 0.75 * sum(outcomes.values()), outcomes
     assert row["group_size"]["median"] >= 12, row["group_size"]
-    assert row["states_per_slot"]["max"] == 1, row["states_per_slot"]  # each slot ends in one state
     # every ok round of a slot ends at one fragment version, the next after the group's newest base (a
     # member that missed an earlier round joins from its older base and takes the round's result:
-    # docs/DESIGN.md, "Joining, lagging and forks"). Their states may differ in slots outside the
-    # measured ones: members that lost different reducers mid-round keep their own values there
+    # docs/DESIGN.md, "Joining, lagging and forks")
     by_slot = rounds_by_slot({path.name: path for path in (tmp_path / "n16").glob("*.events.jsonl")})
-    slots = {slot: [e for e in rounds.values() if e["outcome"] == "ok"] for slot, rounds in by_slot.items()}
-    slots = {slot: ok for slot, ok in slots.items() if ok}
+    slots = {slot: {name: e for name, e in rounds.items() if e["outcome"] == "ok"} for slot, rounds in by_slot.items()}
+    slots = {slot: ok for slot, ok in sorted(slots.items()) if ok}
     assert len(slots) >= 2
     for slot, ok in slots.items():
-        newest = max(e["base_version"] for e in ok)
-        assert {e["new_version"] for e in ok} == {newest + 1}, (slot, ok)
+        newest = max(e["base_version"] for e in ok.values())
+        assert {e["new_version"] for e in ok.values()} == {newest + 1}, (slot, ok)
+    # A slot may end in more than one state on a saturated machine (docs/SCALE.md, "Many islands on one
+    # machine": a matchmaking split, a result not downloaded within the round's budget, a reducer lost
+    # mid-round), but one state holds a strict majority of the ok rounds of each slot the whole swarm
+    # was in (12 or more ok rounds; not the start-up's small groups), and a member left on another one
+    # ends its next ok round on that round's majority state: forks heal, they never persist
+    majority = {}
+    full = {slot: ok for slot, ok in slots.items() if len(ok) >= 12}
+    assert len(full) >= 2, {slot: len(ok) for slot, ok in slots.items()}
+    for slot, ok in full.items():
+        (state, held), = collections.Counter(e["new_hash"] for e in ok.values()).most_common(1)
+        assert 2 * held > len(ok), (slot, collections.Counter(e["new_hash"] for e in ok.values()))
+        majority[slot] = state
+    for (slot, ok), (later, next_ok) in zip(slots.items(), list(slots.items())[1:]):
+        if slot[0] != later[0] or slot not in full or later not in full:
+            continue
+        for name, e in ok.items():
+            if e["new_hash"] != majority[slot] and name in next_ok:
+                assert next_ok[name]["new_hash"] == majority[later], (name, slot, later)
