@@ -126,6 +126,11 @@ class OuterConfig(_Section):
     period: float = Field(
         30.0, gt=0.0, description="T_outer: seconds between two rounds of the same fragment (swarm-wide clock)"
     )
+    groups: int = Field(
+        1, ge=1, le=64, description="G: groups of islands that take turns on each fragment's slots, which come G "
+        "times as often (each island still rounds once per T_outer; it reloads the swarm's newest state before its "
+        "turn): groups of N / G islands for large swarms (docs/DESIGN.md, \"Groups that take turns\")",
+    )
     quorum: int = Field(2, ge=1, description="K: a round waits (up to the grace window) for this many members")
     matchmaking_time: float = Field(3.0, gt=0.0, description="seconds before a round's slot when matchmaking starts")
     grace_window: float = Field(1.5, ge=0.0, description="seconds past the slot a round keeps waiting for quorum")
@@ -200,8 +205,8 @@ class OuterConfig(_Section):
 
     @property
     def fragment_budget(self) -> float:
-        """Seconds available to one fragment's round (T_outer / P)."""
-        return self.period / self.fragments
+        """Seconds between two slots on the swarm's clock, available to one round (T_outer / (P G))."""
+        return self.period / (self.fragments * self.groups)
 
 
 class CheckpointConfig(_Section):
@@ -335,7 +340,7 @@ class PeerConfig(_Section):
         needed = outer.matchmaking_time + outer.grace_window + outer.allreduce_timeout
         if needed >= outer.fragment_budget:
             raise ValueError(
-                f"outer.period / outer.fragments = {outer.fragment_budget:.2f} s must exceed "
+                f"outer.period / (outer.fragments x outer.groups) = {outer.fragment_budget:.2f} s must exceed "
                 f"outer.matchmaking_time + outer.grace_window + outer.allreduce_timeout = {needed:.2f} s: "
                 "raise --outer-period or lower the others"
             )

@@ -259,8 +259,8 @@ def run_fingerprint(spec: ModelSpec, vocab_size: int, seed: int, tokenizer_sha: 
     Covers the architecture (and ``model_config``, the sha256 of a model folder's config, see
     :func:`model_config_sha`), the initial weights' hash (:func:`weights_hash`), the tokenizer
     (sha256 of its JSON), the init seed and the outer-loop
-    fields that decide the global parameters (fragments, period, outer optimizer, delta clip, merge,
-    codec, aggregator, weight cap, clip radius, outlier ratio), plus the wire protocol version.
+    fields that decide the global parameters (fragments, period, groups, outer optimizer, delta clip,
+    merge, codec, aggregator, weight cap, clip radius, outlier ratio), plus the wire protocol version.
     Inner-loop settings (lr, batch) may differ between islands.
     """
     payload = {
@@ -284,6 +284,8 @@ def run_fingerprint(spec: ModelSpec, vocab_size: int, seed: int, tokenizer_sha: 
             "clip_radius": outer.clip_radius,
             "outlier_ratio": outer.outlier_ratio,
             "norm_ratio": outer.norm_ratio,
+            # G only when set, so that the runs and checkpoints of one group keep their fingerprints
+            **({"groups": outer.groups} if outer.groups > 1 else {}),
         },
     }
     blob = json.dumps(payload, sort_keys=True).encode()

@@ -25,7 +25,7 @@ from typing import Callable, Optional, Sequence
 
 from p2p_diloco.algo.clock import MAX_CLOCK_OFFSET, SwarmClock, matchmaking_lead
 from p2p_diloco.algo.handoff import LearnerLink, Snapshot
-from p2p_diloco.algo.schedule import RoundClock, RoundSlot
+from p2p_diloco.algo.schedule import RoundClock, RoundSlot, turn_group
 from p2p_diloco.config import OuterConfig
 from p2p_diloco.island.contribution import RoundFormat
 from p2p_diloco.island.quarantine import Quarantine
@@ -115,16 +115,21 @@ class Syncer:
     :param stop: set by :meth:`stop`; the rounds and transfers share it
     :param swarm_clock: swarm time, on which slots are scheduled
     :param swarm_offsets: the clock offsets the other live islands publish (seconds)
+    :param group: our group of the G that take turns (0 to G - 1; read at each wake), see
+        :func:`~p2p_diloco.algo.schedule.turn_group`
+    :param refresh: reads the others' records soon (the reporter's
+        :meth:`~p2p_diloco.island.reporter.Reporter.refresh`)
     """
 
     def __init__(self, *, config: OuterConfig, store: FragmentStore, rounds: Sequence[OuterRound], repair: BaseRepair,
                  learner: LearnerLink, hand_over: HandOver, stats: SyncerStats, events: Callable[[dict], None],
-                 stop: threading.Event, swarm_clock: SwarmClock, swarm_offsets: Callable[[], Sequence[float]]):
+                 stop: threading.Event, swarm_clock: SwarmClock, swarm_offsets: Callable[[], Sequence[float]],
+                 group: Callable[[], int] = lambda: 0, refresh: Callable[[], None] = lambda: None):
         self.config, self.store, self.rounds, self.repair = config, store, list(rounds), repair
         self.learner, self.hand_over, self.stats, self.events, self._stop = learner, hand_over, stats, events, stop
-        self.swarm_clock, self.swarm_offsets = swarm_clock, swarm_offsets
+        self.swarm_clock, self.swarm_offsets, self.group, self.refresh = swarm_clock, swarm_offsets, group, refresh
         self.now = self.swarm_clock.now
-        self.clock = RoundClock(config.period, store.num_fragments)
+        self.clock = RoundClock(config.period, store.num_fragments, config.groups)
         self._threads: list[threading.Thread] = []
 
     def start(self) -> None:
@@ -147,15 +152,18 @@ class Syncer:
     # ---------------------------------------------------------------- fragment threads
 
     def _fragment_loop(self, p: int) -> None:
-        budget = self.clock.period / self.clock.num_fragments
+        budget = self.config.fragment_budget
         while not self._stop.is_set():
             lead = self._lead()
-            slot = self.clock.next_slot(p, self.now() + lead + min(1.0, budget / 4))
+            slot = self.clock.next_slot(p, self.now() + lead + min(1.0, budget / 4), self.group())
             try:
-                # halfway between two rounds of p (or earlier, when skewed clocks make matchmaking start
-                # early): repair the base if the swarm moved on without us, so that the next round starts
-                # from the swarm's Theta_p and we can take part in it
-                if self._sleep_until(slot.time - max(self.clock.period / 2, lead + budget / 4 + 1.0)):
+                # halfway between the swarm's previous slot of p and ours (or earlier, when skewed clocks
+                # make matchmaking start early): repair the base if the swarm moved on without us, so
+                # that the next round starts from the swarm's Theta_p and we can take part in it. With
+                # groups taking turns the swarm always has (docs/DESIGN.md, "Groups that take turns")
+                if self._sleep_until(slot.time - max(self.clock.spacing / 2, lead + budget / 4 + 1.0)):
+                    if self.clock.groups > 1:
+                        self._await_newer(p, deadline=slot.time - lead - budget / 4)
                     self.repair.repair(p, deadline=slot.time - lead - budget / 4, why="repair")
                 # wake early enough for the learner to reach a step boundary before matchmaking starts
                 while not self._stop.is_set():
@@ -174,7 +182,16 @@ class Syncer:
         lead = matchmaking_lead(config.matchmaking_time, [self.swarm_clock.offset, *self.swarm_offsets()],
                                 tolerance=MAX_CLOCK_OFFSET)
         return max(config.matchmaking_time,
-                   min(lead, self.clock.period - config.grace_window - config.allreduce_timeout - 1.0))
+                   min(lead, self.clock.spacing - config.grace_window - config.allreduce_timeout - 1.0))
+
+    def _await_newer(self, p: int, deadline: float) -> None:
+        """With groups taking turns, the swarm's previous slot of fragment p was another group's: read
+        the others' records again every 0.5 s until they show a newer state of p than ours (which the
+        repair then loads) or swarm time ``deadline`` (that group's round failed, or is late)."""
+        while self.repair.target(p, self.store.states[p]) is None:
+            self.refresh()
+            if not self._sleep_until(deadline, at_most=0.5):
+                return
 
     def _sleep_until(self, moment: float, at_most: float = float("inf")) -> bool:
         """Wait until swarm time ``moment`` (or ``at_most`` seconds); False if it has passed already
@@ -249,6 +266,10 @@ def wire_syncer(*, island: str, config: OuterConfig, store: FragmentStore, stats
     hand_over = HandOver(store, learner, apply=config.apply, alpha=config.alpha)
     repair = BaseRepair(store=store, transfer=transfer, quarantine=quarantine, swarm_bases=swarm_bases,
                         hand_over=hand_over, events=events, now=swarm_clock.now)
+    def group() -> int:
+        live = [name for name, _, _ in swarm_bases() if name not in quarantine]
+        return turn_group(island, live, config.groups)
+
     return Syncer(config=config, store=store, rounds=rounds, repair=repair, learner=learner, hand_over=hand_over,
                   stats=stats, events=events, stop=stop, swarm_clock=swarm_clock,
-                  swarm_offsets=swarm_offsets)
+                  swarm_offsets=swarm_offsets, group=group, refresh=refresh)

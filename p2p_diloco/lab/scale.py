@@ -68,6 +68,8 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     parser.add_argument("--rounds", type=int, default=10, metavar="R", help="outer periods measured per size")
     parser.add_argument("--period", type=float, default=20.0, metavar="S", help="T_outer, seconds")
     parser.add_argument("--fragments", type=int, default=1, metavar="P")
+    parser.add_argument("--groups", type=int, default=1, metavar="G",
+                        help="the islands' --outer-groups: G groups take turns on each fragment's slots")
     parser.add_argument("--step-s", type=float, default=1.0, metavar="S", help="a synthetic inner step, seconds")
     parser.add_argument("--matchmaking-time", type=float, default=3.0, metavar="S",
                         help="the islands' --outer-matchmaking-time")
@@ -87,26 +89,28 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
                         help="seconds every island of a swarm may take to train")
     parser.add_argument("--out", default="", metavar="DIR", help="default runs/bench/scale-<time>")
     args = parser.parse_args(argv)
-    if min(args.islands) < 2 or args.rounds < 1 or args.period <= 0 or args.fragments < 1 or args.step_s <= 0:
-        parser.error("--islands needs 2 or more, --rounds and --fragments 1 or more, --period and --step-s > 0")
+    if min(args.islands) < 2 or args.rounds < 1 or args.period <= 0 or min(args.fragments, args.groups) < 1 \
+            or args.step_s <= 0:
+        parser.error("--islands needs 2 or more, --rounds, --fragments and --groups 1 or more, --period and --step-s > 0")
     if not 0 <= args.client_islands < min(args.islands):
         parser.error(f"--client-islands must leave a full member in every size (0 to {min(args.islands) - 1}): "
                      "client-mode members reduce no part")
     if allreduce_timeout(args) <= 0:
-        parser.error(f"--period / --fragments must exceed --matchmaking-time + {GRACE_S + 0.5:g} s "
+        parser.error(f"--period / (--fragments x --groups) must exceed --matchmaking-time + {GRACE_S + 0.5:g} s "
                      "(the grace window and an all-reduce)")
     return args
 
 
 def allreduce_timeout(args: argparse.Namespace) -> float:
     """The islands' --outer-allreduce-timeout (seconds): up to 10 s, and what is left of the time
-    between two slots (T_outer / P) after matchmaking, the grace window and 0.5 s."""
-    return min(10.0, args.period / args.fragments - args.matchmaking_time - GRACE_S - 0.5)
+    between two slots (T_outer / (P G)) after matchmaking, the grace window and 0.5 s."""
+    return min(10.0, args.period / (args.fragments * args.groups) - args.matchmaking_time - GRACE_S - 0.5)
 
 
 def island_flags(args: argparse.Namespace) -> list[str]:
     """The lightweight islands' flags: synthetic steps, one torch thread, no evaluation to speak of."""
     return ["--preset", args.preset, "--device", "cpu", "--threads", "1", "--outer-fragments", str(args.fragments),
+            "--outer-groups", str(args.groups),
             "--outer-period", str(args.period), "--outer-matchmaking-time", str(args.matchmaking_time),
             "--outer-grace-window", str(GRACE_S), "--outer-allreduce-timeout", str(allreduce_timeout(args)),
             "--outer-request-timeout", str(min(1.0, args.matchmaking_time / 3)),
@@ -175,8 +179,9 @@ def _trained(swarm: LocalSwarm, names: Sequence[str]) -> bool:
 
 def round_figures(events: dict[str, list[dict]], start: float, end: float, period: float, fragments: int) -> dict:
     """The rounds of ``events`` (island -> its events) whose slot lies in [start, end): outcomes, group
-    sizes, formation and round times (seconds), the round time's share of T_outer / P, and per slot
-    the number of distinct new states of its ok rounds."""
+    sizes, formation and round times (seconds), the round time's share of the time between two slots
+    (``period / fragments``: T_outer / (P G) with G groups taking turns), and per slot the number of
+    distinct new states of its ok rounds."""
     outcomes, sizes, formed, took, hashes = defaultdict(int), [], [], [], defaultdict(set)
     for evs in events.values():
         for e in evs:
@@ -249,8 +254,8 @@ def measure(n: int, args: argparse.Namespace, out: Path, stop: StopSignal) -> di
             dht.shutdown()
         leftovers = swarm.close()
     events = {name: read_events(swarm.events_path(name)) for name in names}
-    return {"islands": n, "seconds_to_train": round(ready, 1), "window_s": round(end - start, 1),
-            **round_figures(events, start, end, args.period, args.fragments),
+    return {"islands": n, "seconds_to_train": round(ready, 1), "window_s": round(end - start, 1), "window": [start, end],
+            **round_figures(events, start, end, args.period, args.fragments * args.groups),
             "dht_read_s": _summary(reads), "records_seen": _summary(seen),
             "bootstrap_cpu_cores": round(cpu, 3), "bootstrap_pss_mib": _summary(pss),
             "memory_per_island_mib": _summary(used), "leftover_processes": leftovers}

@@ -74,6 +74,10 @@ def test_the_fingerprint_covers_the_models_config_and_initial_weights(tmp_path):
 
     assert model_config_sha(a) == model_config_sha(b) != model_config_sha(c)
     assert fingerprint(a) == fingerprint(a) != fingerprint(b)  # same config, other weights: refused
+    # islands of other group counts take other slots: refused; G = 1 keeps the fingerprints of before
+    base = run_fingerprint(spec, 300, 0, "tok", OuterConfig())
+    assert base == run_fingerprint(spec, 300, 0, "tok", OuterConfig(groups=1)) != \
+        run_fingerprint(spec, 300, 0, "tok", OuterConfig(groups=2))
 
 
 def test_bad_model_folders_are_clear_errors(tmp_path):
