@@ -202,6 +202,47 @@ def outer_step(
         param.sub_(direction * lr)
 
 
+def turn_step(
+    params: Tensors,
+    outer_grads: Tensors,
+    momentum_buffers: Tensors,
+    *,
+    lr: float,
+    momentum: float,
+    nesterov: bool,
+    turn: int,
+    turns: int,
+) -> None:
+    """One group's outer step in place when G = ``turns`` groups take turns (docs/DESIGN.md, "Groups
+    that take turns"): delayed Nesterov momentum (Liu et al., "Asynchronous Local-SGD Training for
+    Language Modeling", arXiv 2401.09135: the momentum moves once per G updates).
+
+    Each turn adds its share g / G to the momentum and (Nesterov) steps Theta by lr g / G; the first
+    turn of a period (``turn`` 0) decays the momentum first, the last (``turn`` G - 1) adds the
+    momentum term lr * momentum * m (heavy-ball: steps by lr m then, and not at the others). Over the
+    G turns of a period with one base this is exactly :func:`outer_step` on the mean of the turns'
+    pseudo-gradients; with G = 1 it is :func:`outer_step`, bit for bit. Applied per turn instead,
+    momentum on pseudo-gradients up to G - 1 steps stale made training unstable (docs/SCALE.md, E9).
+
+    :param params: global parameters Theta_p (fp32), updated in place
+    :param outer_grads: this group's merged pseudo-gradient, same shapes
+    :param momentum_buffers: outer momentum m_p, same shapes, updated in place
+    :param turn: the slot's place in its period, slot index mod G (0 to G - 1)
+    :raises ValueError: ``turn`` outside [0, ``turns``)
+    """
+    if not 0 <= turn < turns:
+        raise ValueError(f"turn {turn} is outside [0, {turns})")
+    for param, grad, buf in zip(params, outer_grads, momentum_buffers, strict=True):
+        share = grad if turns == 1 else grad * (1.0 / turns)
+        if turn == 0:
+            buf.mul_(momentum)
+        buf.add_(share)
+        if nesterov:
+            param.sub_((share + buf * momentum if turn == turns - 1 else share) * lr)
+        elif turn == turns - 1:
+            param.sub_(buf * lr)
+
+
 @torch.no_grad()
 def carry_correction(new_global: Tensors, base: Tensors) -> list[torch.Tensor]:
     """What to add to the island's live parameters so they become Theta_new + (theta_now - base).

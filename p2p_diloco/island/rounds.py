@@ -104,6 +104,7 @@ class OuterRound:
         # rejected round): its tokens and steps join the next round's claim, as its progress joins the
         # next pseudo-gradient; and how many fallbacks in a row were deferred
         self.carried_tokens = self.carried_steps = self.deferred = 0
+        self._turn = 0
 
     def run(self, p: int, slot: RoundSlot, state: FragmentState, snapshot: Snapshot) -> RoundOutcome:
         """Average fragment p's pseudo-gradient ``Theta_p - snapshot`` at ``slot`` and step ``state``.
@@ -111,6 +112,7 @@ class OuterRound:
         The pseudo-gradient covers everything trained since ``state`` landed, so after rounds whose
         work no group took (deferred fallbacks, rejected rounds) it covers theirs too, and the claim
         counts their tokens and steps (:attr:`carried_tokens`)."""
+        self._turn = slot.index % self.config.groups  # the slot's place in its period (groups taking turns)
         outcome = self._run(p, slot, state, snapshot)
         if outcome.state is not None or outcome.outcome in ("cancelled", "empty"):
             self.carried_tokens = self.carried_steps = 0  # landed (or nobody trained): nothing left to carry
@@ -382,4 +384,4 @@ class OuterRound:
 
     def _optimizer(self) -> dict:
         cfg = self.config
-        return dict(lr=cfg.lr, momentum=cfg.momentum, nesterov=cfg.nesterov)
+        return dict(lr=cfg.lr, momentum=cfg.momentum, nesterov=cfg.nesterov, turn=self._turn, turns=cfg.groups)

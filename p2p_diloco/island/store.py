@@ -30,12 +30,13 @@ class FragmentState:
     support: int = 1
 
     def stepped(self, merged: Sequence[torch.Tensor], version: int, support: int, *, lr: float, momentum: float,
-                nesterov: bool) -> "FragmentState":
+                nesterov: bool, turn: int = 0, turns: int = 1) -> "FragmentState":
         """A new state after one outer step with the merged pseudo-gradient (arXiv 2311.08105,
-        Alg. 1, line 14); this state is left as it is."""
+        Alg. 1, line 14; with groups taking turns, ``turn`` of ``turns``: :func:`outer.turn_step`);
+        this state is left as it is."""
         theta = [t.clone() for t in self.theta]
         buffers = [m.clone() for m in self.momentum]
-        outer.outer_step(theta, merged, buffers, lr=lr, momentum=momentum, nesterov=nesterov)
+        outer.turn_step(theta, merged, buffers, lr=lr, momentum=momentum, nesterov=nesterov, turn=turn, turns=turns)
         return FragmentState(theta, buffers, version, outer.tensors_hash(theta), support)
 
 

@@ -59,6 +59,29 @@ def test_outer_step_equals_torch_sgd(nesterov):
             torch.testing.assert_close(mine, theirs.detach(), rtol=1e-6, atol=1e-6)
 
 
+@pytest.mark.parametrize("nesterov", [True, False])
+def test_groups_taking_turns_step_as_one_group_per_period_and_one_group_is_the_plain_step(nesterov):
+    """Delayed momentum (docs/DESIGN.md, "Groups that take turns"): G turns from one base with the
+    groups' merged pseudo-gradients g_k land where one outer step on their mean lands, period after
+    period; with G = 1 a turn is the plain outer step, bit for bit."""
+    start = _params(7)
+    one, one_m = [t.clone() for t in start], [torch.zeros_like(t) for t in start]
+    plain, plain_m = [t.clone() for t in start], [torch.zeros_like(t) for t in start]
+    turns, turns_m = [t.clone() for t in start], [torch.zeros_like(t) for t in start]
+    for period in range(5):
+        grads = [_params(100 + 4 * period + k) for k in range(4)]
+        mean = [torch.stack(parts).mean(0) for parts in zip(*grads)]
+        outer.outer_step(one, mean, one_m, lr=0.7, momentum=0.9, nesterov=nesterov)
+        outer.turn_step(plain, mean, plain_m, lr=0.7, momentum=0.9, nesterov=nesterov, turn=0, turns=1)
+        assert all(torch.equal(a, b) for a, b in zip(one + one_m, plain + plain_m))
+        for k, g in enumerate(grads):
+            outer.turn_step(turns, g, turns_m, lr=0.7, momentum=0.9, nesterov=nesterov, turn=k, turns=4)
+        for mine, theirs in zip(turns + turns_m, one + one_m):
+            torch.testing.assert_close(mine, theirs, rtol=1e-5, atol=1e-6)
+    with pytest.raises(ValueError, match="turn 4 is outside"):
+        outer.turn_step(turns, grads[0], turns_m, lr=0.7, momentum=0.9, nesterov=nesterov, turn=4, turns=4)
+
+
 def test_token_weight_is_tokens_squared_over_steps():
     assert outer.token_weight(1000, 10) == pytest.approx(1e5)
     assert outer.token_weight(0, 0) == 0.0 and outer.token_weight(500, 0) == 0.0
