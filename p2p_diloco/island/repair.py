@@ -29,12 +29,17 @@ class BaseRepair:
         our own Theta_p
     :param events: takes ``reload`` events
     :param now: swarm time, seconds (the deadlines it is given are on it)
+    :param refresh: reads the others' records soon (the reporter's
+        :meth:`~p2p_diloco.island.reporter.Reporter.refresh`): after a download failed, since the
+        donors may have moved on to a newer state than the records we read showed
     """
 
     def __init__(self, *, store: FragmentStore, transfer: StateTransfer, quarantine: Quarantine,
-                 swarm_bases: SwarmBases, hand_over: HandOver, events: Callable[[dict], None], now: Callable[[], float]):
+                 swarm_bases: SwarmBases, hand_over: HandOver, events: Callable[[dict], None], now: Callable[[], float],
+                 refresh: Callable[[], None] = lambda: None):
         self.store, self.transfer, self.quarantine = store, transfer, quarantine
         self.swarm_bases, self.hand_over, self.events, self.now = swarm_bases, hand_over, events, now
+        self.refresh = refresh
         # p -> (saved v_p, saved local params, (tokens, inner steps) at the restore)
         self._resumed: dict[int, tuple[int, list[torch.Tensor], tuple[int, int]]] = {}
 
@@ -89,8 +94,17 @@ class BaseRepair:
         saved = self._resumed.get(p)
         resumed = saved is not None and target[0] > saved[0]
         started = self.now()
-        fresh = self.transfer.download_until(p, among={target},
-                                             deadline=time.monotonic() + max(0.5, deadline - started))
+        until = time.monotonic() + max(0.5, deadline - started)
+        fresh = None
+        while fresh is None and not self.transfer.stop.is_set():
+            fresh = self.transfer.download(p, among={target}, timeout=min(10.0, max(1.0, until - time.monotonic())))
+            if fresh is not None or time.monotonic() >= until:
+                break
+            # the donors may hold a newer state than the records we read (groups taking turns move the
+            # swarm on every T_outer / G): read them again, and ask for what they show then
+            self.refresh()
+            self.transfer.stop.wait(min(0.5, max(0.0, until - time.monotonic())))
+            target = self.target(p, state) or target
         if fresh is not None:
             if resumed:
                 self.hand_over(p, fresh, saved[1], reason="reload", apply="carry", marks=saved[2])

@@ -265,7 +265,7 @@ def wire_syncer(*, island: str, config: OuterConfig, store: FragmentStore, stats
               for wire, channel in zip(formats, channels)]
     hand_over = HandOver(store, learner, apply=config.apply, alpha=config.alpha)
     repair = BaseRepair(store=store, transfer=transfer, quarantine=quarantine, swarm_bases=swarm_bases,
-                        hand_over=hand_over, events=events, now=swarm_clock.now)
+                        hand_over=hand_over, events=events, now=swarm_clock.now, refresh=refresh)
     def group() -> int:
         live = [name for name, _, _ in swarm_bases() if name not in quarantine]
         return turn_group(island, live, config.groups)
