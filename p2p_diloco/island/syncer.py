@@ -230,6 +230,8 @@ class Syncer:
             self.repair.settle(p)  # a resumed island's checkpoint progress went into it (docs/DESIGN.md)
         event = {"event": "round", "fragment": p, "slot": slot.index, "slot_time": slot.time, "t_start": started,
                  **outcome.figures, "outcome": outcome.outcome}
+        if self.clock.groups > 1:
+            event["turn"] = slot.index % self.clock.groups  # the group whose slot it was (groups taking turns)
         if outcome.outcome in ("ok", "empty", "fallback"):
             new = outcome.state or state
             event |= {"new_version": new.version, "new_hash": new.hash}
