@@ -160,7 +160,8 @@ class Syncer:
                 # halfway between the swarm's previous slot of p and ours (or earlier, when skewed clocks
                 # make matchmaking start early): repair the base if the swarm moved on without us, so
                 # that the next round starts from the swarm's Theta_p and we can take part in it. With
-                # groups taking turns the swarm always has (docs/DESIGN.md, "Groups that take turns")
+                # groups taking turns it always has: wait for the records to show the other group's new
+                # state first (docs/DESIGN.md, "Groups that take turns")
                 if self._sleep_until(slot.time - max(self.clock.spacing / 2, lead + budget / 4 + 1.0)):
                     if self.clock.groups > 1:
                         self._await_newer(p, deadline=slot.time - lead - budget / 4)
@@ -268,6 +269,7 @@ def wire_syncer(*, island: str, config: OuterConfig, store: FragmentStore, stats
     hand_over = HandOver(store, learner, apply=config.apply, alpha=config.alpha)
     repair = BaseRepair(store=store, transfer=transfer, quarantine=quarantine, swarm_bases=swarm_bases,
                         hand_over=hand_over, events=events, now=swarm_clock.now, refresh=refresh)
+
     def group() -> int:
         live = [name for name, _, _ in swarm_bases() if name not in quarantine]
         return turn_group(island, live, config.groups)

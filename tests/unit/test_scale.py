@@ -84,7 +84,8 @@ def test_the_fork_hook_freezes_the_collectors_objects_when_asked(monkeypatch):
 
 
 @pytest.mark.parametrize("flags", [["--islands", "4", "--client-islands", "4"], ["--client-islands", "-1"],
-                                   ["--period", "4", "--matchmaking-time", "3"], ["--islands", "1"]])
+                                   ["--period", "4", "--matchmaking-time", "3"], ["--islands", "1"],
+                                   ["--period", "8", "--groups", "2", "--matchmaking-time", "3"], ["--groups", "0"]])
 def test_scale_flags_that_cannot_make_a_swarm_exit_2(flags, capsys):
     with pytest.raises(SystemExit) as exit_:
         parse_args(flags)
@@ -96,3 +97,7 @@ def test_the_all_reduce_timeout_fits_the_period_and_no_island_is_client_mode_by_
     flags = island_flags(args)
     assert flags[flags.index("--outer-allreduce-timeout") + 1] == "4.5"  # 8 - 2 - 1.5 s
     assert parse_args([]).client_islands == 0
+    # two groups taking turns: a slot every 6 s of a 12 s period
+    flags = island_flags(parse_args(["--period", "12", "--groups", "2", "--matchmaking-time", "2"]))
+    assert flags[flags.index("--outer-groups") + 1] == "2"
+    assert flags[flags.index("--outer-allreduce-timeout") + 1] == "2.5"  # 6 - 2 - 1.5 s
