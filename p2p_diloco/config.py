@@ -346,6 +346,11 @@ class PeerConfig(_Section):
             )
         if outer.request_timeout >= outer.matchmaking_time / 2:
             raise ValueError("outer.request_timeout must be smaller than half of outer.matchmaking_time")
+        if outer.groups > 1 and not outer.nesterov:
+            # heavy-ball turns would leave Theta_p (and its hash) as it was for G - 1 turns of G, so that two
+            # states with other momenta could share one (version, hash) (docs/DESIGN.md, "Groups that take turns")
+            raise ValueError("outer.groups > 1 needs the Nesterov outer momentum (outer.nesterov): groups taking "
+                             "turns move the momentum once per period")
         if self.progress.ttl <= self.progress.period:
             raise ValueError("progress.ttl (--progress-ttl) must be longer than progress.period (--progress-period)")
         if self.island_parallel == "fsdp" and self.checkpoint.dir:

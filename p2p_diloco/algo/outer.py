@@ -202,6 +202,7 @@ def outer_step(
         param.sub_(direction * lr)
 
 
+@torch.no_grad()
 def turn_step(
     params: Tensors,
     outer_grads: Tensors,

@@ -154,9 +154,9 @@ class Syncer:
     def _fragment_loop(self, p: int) -> None:
         budget = self.config.fragment_budget
         while not self._stop.is_set():
-            lead = self._lead()
-            slot = self.clock.next_slot(p, self.now() + lead + min(1.0, budget / 4), self.group())
             try:
+                lead = self._lead()
+                slot = self.clock.next_slot(p, self.now() + lead + min(1.0, budget / 4), self.group())
                 # halfway between the swarm's previous slot of p and ours (or earlier, when skewed clocks
                 # make matchmaking start early): repair the base if the swarm moved on without us, so
                 # that the next round starts from the swarm's Theta_p and we can take part in it. With
@@ -175,6 +175,7 @@ class Syncer:
                     self._run_round(p, slot)
             except Exception as e:  # a bug must not kill the island's outer loop
                 logger.exception("round of fragment %d failed unexpectedly: %r", p, e)
+                self._stop.wait(1.0)
 
     def _lead(self) -> float:
         """Seconds before a slot at which matchmaking starts (see :func:`matchmaking_lead`), at most what

@@ -35,6 +35,7 @@ def test_defaults_and_aliases():
         (["--outer-groups", "0"], "outer.groups (--outer-groups)"),
         # 30 s / (2 fragments x 3 groups) = 5 s between slots: less than 3 + 1.5 + 5 s of a round
         (["--outer-groups", "3"], "outer.period / (outer.fragments x outer.groups) = 5.00 s must exceed"),
+        (["--outer-groups", "2", "--outer-period", "60", "--no-outer-nesterov"], "outer.groups > 1 needs the Nesterov"),
         (["--nproc-per-node", "0"], "nproc_per_node (--nproc-per-node)"),
         (["--island-parallel", "fsdp", "--checkpoint-dir", "ckpt"], "--checkpoint-dir is not supported with "
          "--island-parallel fsdp"),
