@@ -29,7 +29,9 @@ arms differ only in how the outer steps are taken:
 
 The figure is the held-out loss of the global state at the end (nats/token), and its curve.
 
-    .venv/bin/python scripts/experiments/e9_group_turns.py [--islands 8] [--groups 2 4] [--periods 12] [--inner-steps 24]
+    .venv/bin/python scripts/experiments/e9_group_turns.py [--islands 8] [--groups 2 4] [--periods 10] [--inner-steps 16] [--seed 0]
+
+about 25 minutes on 2 cores; figures in docs/SCALE.md, "Groups that take turns, emulated (E9)"
 """
 
 from __future__ import annotations
@@ -130,8 +132,8 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--islands", type=int, default=8)
     parser.add_argument("--groups", type=int, nargs="+", default=[2, 4])
-    parser.add_argument("--periods", type=int, default=12, help="outer periods (each island's rounds)")
-    parser.add_argument("--inner-steps", type=int, default=24, help="inner steps per period (H)")
+    parser.add_argument("--periods", type=int, default=10, help="outer periods (each island's rounds)")
+    parser.add_argument("--inner-steps", type=int, default=16, help="inner steps per period (H)")
     parser.add_argument("--outer-lr", type=float, default=0.7)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--arms", nargs="+", default=None, metavar="ARM",
