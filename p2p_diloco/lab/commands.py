@@ -145,6 +145,9 @@ def _simulate_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--rejoin-wait-s", type=float, metavar="S",
                         help="seconds a repaired slice waits for an elastic job's next pause before it pauses the job "
                         "itself (0: at once)")
+    parser.add_argument("--tick-s", type=float, metavar="S",
+                        help="simulate in steps of S seconds: every event at the end of its step, a step's failures "
+                        "first (0: continuous time; default: the paper fit's)")
     parser.add_argument("--checkpoint-s", type=float, default=job["checkpoint_s"], metavar="S",
                         help="a rigid job's checkpoint interval, seconds of training (work since the last one is "
                         "lost; 0: none; with --checkpoint-save-s and no --checkpoint-s: Young's interval)")
@@ -184,7 +187,7 @@ def run_simulate(args: argparse.Namespace, stop) -> int:
 
     given = {key: value for key, value in (("slice_chips", args.slice_chips), ("repair_s", args.repair_s),
                                             ("restart_s", args.restart_s), ("resize_s", args.resize_s),
-                                            ("rejoin_wait_s", args.rejoin_wait_s))
+                                            ("rejoin_wait_s", args.rejoin_wait_s), ("tick_s", args.tick_s))
              if value is not None}
     if not (math.isfinite(args.chip_mtbi_days) and args.chip_mtbi_days > 0):
         raise ConfigError(f"--chip-mtbi-days must be a positive number of days (got {args.chip_mtbi_days})")

@@ -66,6 +66,19 @@ def test_a_failure_during_the_restart_starts_it_over_or_is_taken_in_by_it():
     assert spares.downtime_s == pytest.approx(BASE["restart_s"])
 
 
+def test_in_time_steps_a_failure_acts_at_its_steps_end_and_one_in_a_restarts_last_step_is_taken_in():
+    config = dict(chips=1024, slice_chips=256, hours=1.0, repair_s=0.0, restart_s=55.0)
+    failures = [(12.0, 1), (75.0, 2)]
+    continuous = simulate(SimConfig(arm="dp", **config), failures=failures)
+    assert continuous.downtime_s == pytest.approx(2 * 55.0)  # the second comes after the first restart
+    stepped = simulate(SimConfig(arm="dp", tick_s=10.0, **config), failures=failures)
+    # the first acts at 20 s (its step's 8 s count); the restart, 55 s in whole steps, ends at 80 s;
+    # the second failure, in the restart's last step, acts at 80 s before the restart ends: taken in
+    assert stepped.failures == 2
+    assert stepped.downtime_s == pytest.approx(60.0)
+    assert stepped.goodput == pytest.approx(1 - 60.0 / 3600)
+
+
 def test_elastic_data_parallel_pauses_for_each_change_and_trains_on_the_slices_up_between():
     c, r, slices = BASE["resize_s"], BASE["repair_s"], 4
     result = simulate(SimConfig(arm="elastic", **BASE), failures=[(2 * HOUR, 3)])
