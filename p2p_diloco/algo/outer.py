@@ -192,14 +192,13 @@ def outer_step(
     m <- momentum * m + g; d = g + momentum * m (Nesterov) or d = m. With momentum 0 it is plain
     averaging (FedAvg with server lr ``lr``).
 
+    It is :func:`turn_step` with one group (G = 1).
+
     :param params: global parameters Theta_p (fp32), updated in place
     :param outer_grads: merged pseudo-gradients, same shapes
     :param momentum_buffers: outer momentum m_p, same shapes, updated in place
     """
-    for param, grad, buf in zip(params, outer_grads, momentum_buffers, strict=True):
-        buf.mul_(momentum).add_(grad)
-        direction = grad + buf * momentum if nesterov else buf
-        param.sub_(direction * lr)
+    turn_step(params, outer_grads, momentum_buffers, lr=lr, momentum=momentum, nesterov=nesterov, turn=0, turns=1)
 
 
 @torch.no_grad()
@@ -221,8 +220,8 @@ def turn_step(
     Each turn adds its share g / G to the momentum and (Nesterov) steps Theta by lr g / G; the first
     turn of a period (``turn`` 0) decays the momentum first, the last (``turn`` G - 1) adds the
     momentum term lr * momentum * m (heavy-ball: steps by lr m then, and not at the others). Over the
-    G turns of a period with one base this is exactly :func:`outer_step` on the mean of the turns'
-    pseudo-gradients; with G = 1 it is :func:`outer_step`, bit for bit. Applied per turn instead,
+    G turns of a period with one base this is exactly the one-group step (:func:`outer_step`, G = 1) on
+    the mean of the turns' pseudo-gradients. Applied per turn instead,
     momentum on pseudo-gradients up to G - 1 steps stale made training unstable (docs/SCALE.md, E9).
 
     :param params: global parameters Theta_p (fp32), updated in place
