@@ -94,17 +94,17 @@ class BaseRepair:
         saved = self._resumed.get(p)
         resumed = saved is not None and target[0] > saved[0]
         started = self.now()
-        until = time.monotonic() + max(0.5, deadline - started)
-        fresh = None
-        while fresh is None and not self.transfer.stop.is_set():
-            fresh = self.transfer.download(p, among={target}, timeout=min(10.0, max(1.0, until - time.monotonic())))
-            if fresh is not None or time.monotonic() >= until:
-                break
-            # the donors may hold a newer state than the records we read (groups taking turns move the
-            # swarm on every T_outer / G): read them again, and ask for what they show then
-            self.refresh()
-            self.transfer.stop.wait(min(0.5, max(0.0, until - time.monotonic())))
-            target = self.target(p, state) or target
+        asked = [target]
+
+        def wanted() -> set[tuple[int, str]]:
+            # after a failed try the donors may hold a newer state than the records we read (groups
+            # taking turns move the swarm on every T_outer / G): ask for what the records show now
+            asked[0] = self.target(p, state) or asked[0]
+            return {asked[0]}
+
+        fresh = self.transfer.download_until(p, deadline=time.monotonic() + max(0.5, deadline - started),
+                                             among=wanted, on_retry=self.refresh)
+        target = asked[0]
         if fresh is not None:
             if resumed:
                 self.hand_over(p, fresh, saved[1], reason="reload", apply="carry", marks=saved[2])

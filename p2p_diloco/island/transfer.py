@@ -139,19 +139,27 @@ class StateTransfer:
         return FragmentState(theta, momentum, version, digest, max(1, metadata.get("support", 1)))
 
     def download_until(self, p: int, *, deadline: float, min_version: int = 0,
-                       among: Optional[Collection[tuple[int, str]]] = None,
-                       stop: Optional[threading.Event] = None) -> Optional[FragmentState]:
+                       among: Optional[Collection[tuple[int, str]] | Callable[[], Collection[tuple[int, str]]]] = None,
+                       stop: Optional[threading.Event] = None,
+                       on_retry: Callable[[], None] = lambda: None) -> Optional[FragmentState]:
         """Retry :meth:`download` (another donor may answer, or the first may finish its round) until
-        ``deadline`` (time.monotonic() seconds) or ``stop`` (default: the syncer's)."""
+        ``deadline`` (time.monotonic() seconds) or ``stop`` (default: the syncer's).
+
+        :param among: the (version, hash) states to take, or a callable that returns them, called
+            before each attempt (the swarm may move on while we retry)
+        :param on_retry: called after each failed attempt, before the next (e.g. to read the
+            others' records again)
+        """
         stop = stop or self.stop
         while not stop.is_set():
             remaining = deadline - time.monotonic()
             if remaining <= 0:
                 return None
-            state = self.download(p, min_version=min_version, among=among,
+            state = self.download(p, min_version=min_version, among=among() if callable(among) else among,
                                   timeout=min(10.0, max(1.0, remaining)))
             if state is not None:
                 return state
+            on_retry()
             stop.wait(min(0.5, max(0.0, deadline - time.monotonic())))
         return None
 
