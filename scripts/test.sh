@@ -12,4 +12,7 @@ cd "$(dirname "$0")/.."
 ./scripts/setup_debian_package.sh iptables /usr/sbin/iptables \
   "the NAT test's routers masquerade with it and the test is skipped without it"
 export P2P_DILOCO_CACHE="${P2P_DILOCO_CACHE:-$PWD/.cache/p2p_diloco}"
+# bytecode once, for the hundreds of processes the tests start (with PYTHONDONTWRITEBYTECODE set, each
+# would compile the package again)
+.venv/bin/python -m compileall -q p2p_diloco tests scripts > /dev/null
 exec .venv/bin/python -m pytest "$@"

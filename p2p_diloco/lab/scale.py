@@ -247,8 +247,8 @@ def measure(n: int, args: argparse.Namespace, out: Path, stop: StopSignal) -> di
         end = time.time()
         cpu = (_cpu_seconds(bootstrap) - cpu_before) / (end - start)
         # the rounds of the window's last slot end before the next slot (their all-reduce timeout fits
-        # T_outer / P): closing the swarm before then would cancel them
-        stop.event.wait(args.period / args.fragments)
+        # the slot spacing, T_outer / (P x G)): closing the swarm before then would cancel them
+        stop.event.wait(args.period / (args.fragments * args.groups))
     finally:
         if dht is not None:
             dht.shutdown()
