@@ -97,8 +97,8 @@ class BaseRepair:
         asked = [target]
 
         def wanted() -> set[tuple[int, str]]:
-            # after a failed try the donors may hold a newer state than the records we read (groups
-            # taking turns move the swarm on every T_outer / G): ask for what the records show now
+            # read before each try: after a failed one the donors may hold a newer state than the
+            # records showed (groups taking turns move the swarm on every T_outer / G)
             asked[0] = self.target(p, state) or asked[0]
             return {asked[0]}
 

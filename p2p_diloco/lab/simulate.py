@@ -206,13 +206,16 @@ class Simulation:
         self.rounds_ok = self.rounds_fallback = 0
         self._drawn = 0.0  # when the last random failure happened
 
+    def _at_step(self, t: float) -> float:
+        """When something due at ``t`` takes effect: then, or time-stepped at the end of its step
+        (1e-9: a time on a step's end stays there)."""
+        tick = self.config.tick_s
+        return math.ceil(t / tick - 1e-9) * tick if tick > 0 else t
+
     def _push(self, t: float, kind: str, *payload) -> None:
         self._seq += 1
-        tick = self.config.tick_s
-        if tick > 0:  # at the end of its step (1e-9: a time on a step's end stays there)
-            t = math.ceil(t / tick - 1e-9) * tick
-        first = 0 if tick > 0 and kind == "fail" else 1  # a step's failures before its other events
-        heapq.heappush(self.queue, (t, first, self._seq, kind, payload))
+        first = 0 if self.config.tick_s > 0 and kind == "fail" else 1  # a step's failures before its other events
+        heapq.heappush(self.queue, (self._at_step(t), first, self._seq, kind, payload))
 
     def _next_failure(self) -> None:
         if self.explicit is not None:
@@ -305,7 +308,7 @@ class Simulation:
 
     def _on_rejoin_due(self, t: float, index: int) -> None:
         job = self.jobs[index]
-        if job.pending and min(job.pending.values()) + self.config.rejoin_wait_s <= t:  # (not taken by a pause since)
+        if job.pending and self._at_step(min(job.pending.values()) + self.config.rejoin_wait_s) <= t:  # (not taken since)
             job.advance(t)
             self._pause(index, t)
 

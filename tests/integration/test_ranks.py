@@ -5,6 +5,7 @@ checkpoint."""
 
 from __future__ import annotations
 
+import collections
 import signal
 import time
 
@@ -96,8 +97,8 @@ def test_islands_of_ddp_and_fsdp_ranks_share_rounds_and_a_killed_rank_ends_only_
                   if e["outcome"] in ("ok", "fallback") and after < e["t"] < until]
         missed = [e for e in rounds if e["new_version"] <= newest.get(e["fragment"], -1)
                   and (e["fragment"], e["new_version"]) not in landed]
-        last = [e for e in rounds if e["new_version"] > newest.get(e["fragment"], -1)]
-        assert not missed and len(last) <= 1, (missed, last, sorted(landed))
+        last = collections.Counter(e["fragment"] for e in rounds if e["new_version"] > newest.get(e["fragment"], -1))
+        assert not missed and max(last.values(), default=0) <= 1, (missed, last, sorted(landed))
     # FSDP's ranks hold disjoint shards (nothing to compare): they landed the rounds that 3 islands shared
     assert any(len(e["members"]) == 3 for e in _ok_rounds(swarm, "fsdp"))
     assert not events_of(swarm.events_path("fsdp"), "ranks_agree")

@@ -72,7 +72,7 @@ def test_in_time_steps_a_failure_acts_at_its_steps_end_and_one_in_a_restarts_las
     continuous = simulate(SimConfig(arm="dp", **config), failures=failures)
     assert continuous.downtime_s == pytest.approx(2 * 55.0)  # the second comes after the first restart
     stepped = simulate(SimConfig(arm="dp", tick_s=10.0, **config), failures=failures)
-    # the first acts at 20 s (its step's 8 s count); the restart, 55 s in whole steps, ends at 80 s;
+    # the first acts at 20 s (the 8 s from 12 to 20 s still train); the restart, 55 s in whole steps, ends at 80 s;
     # the second failure, in the restart's last step, acts at 80 s before the restart ends: taken in
     assert stepped.failures == 2
     assert stepped.downtime_s == pytest.approx(60.0)
