@@ -3,6 +3,7 @@ a fake channel that, as hivemind's ``load_state_from_peers``, serves the donor o
 declared priority first (pure logic: no network)."""
 
 import threading
+import time
 from types import SimpleNamespace
 
 import torch
@@ -71,3 +72,30 @@ def test_a_joiner_takes_only_what_trusted_records_show_whichever_donor_hivemind_
     # ...unless it is the only island left: after the wait, its state rather than the seed
     assert _join([flagged], patience=60, distrusted={"x"})[0] == 0
     assert _join([flagged], patience=0, distrusted={"x"}) == (12, flagged.hash)
+
+
+def test_a_retried_download_asks_for_what_the_records_show_before_each_try():
+    """``StateTransfer.download_until`` with the states to take as a callable (as ``BaseRepair`` asks
+    while groups take turns): the donor has moved on past the state first asked for; after the failed
+    try the caller's ``on_retry`` reads the records again, and the next try takes the newer state."""
+    store = FragmentStore(SHAPES)
+    transfer = StateTransfer(store, SimpleNamespace(add=lambda **kw: None), fingerprint=FINGERPRINT,
+                             events=lambda e: None, allreduce_timeout=5.0, stop=threading.Event())
+    old, new = Donor("a", 7, 1, priority=1.0), Donor("a", 8, 2, priority=1.0)
+    transfer.attach([Channel([new])])  # the donor serves only its newest state
+    records = [(7, old.hash)]  # what the records showed when the download began
+    asked, retries = [], []
+
+    def wanted():
+        asked.append(records[-1])
+        return {records[-1]}
+
+    def on_retry():
+        retries.append(len(asked))
+        records.append((8, new.hash))  # the records, read again, show the donor's new state
+
+    state = transfer.download_until(0, deadline=time.monotonic() + 5.0, among=wanted, on_retry=on_retry)
+    assert (state.version, state.hash) == (8, new.hash)
+    assert asked == [(7, old.hash), (8, new.hash)] and retries == [1]
+    # a fixed collection is asked for as it is: a state nobody serves is never taken
+    assert transfer.download_until(0, deadline=time.monotonic() + 1.2, among={(7, old.hash)}) is None
