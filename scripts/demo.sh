@@ -4,5 +4,8 @@
 # Usage: ./scripts/demo.sh [--islands 3] [--minutes 3] [--preset tiny] [--out runs/NAME] (see --help)
 set -euo pipefail
 cd "$(dirname "$0")/.."
+case " $* " in  # --help with the project installed already: no setup first
+  *" --help "*|*" -h "*) [ -x .venv/bin/python ] && exec .venv/bin/python scripts/demo.py --help ;;
+esac
 ./scripts/setup_venv.sh
 exec .venv/bin/python scripts/demo.py "$@"

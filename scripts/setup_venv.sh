@@ -2,9 +2,10 @@
 # Create .venv if it is missing and install p2p_diloco into it (editable), with optional extras, and
 # fetch the dashboard's charting library (uPlot, `p2p-diloco fetch-assets`).
 # Usage: scripts/setup_venv.sh [extra[,extra...]]
-# On machines without a GPU this takes the CPU build of torch (TORCH_SPEC, default torch==2.13.0)
-# before the project, so pip never pulls a multi-GB CUDA build. A stamp file skips the install when
-# nothing changed since the last one.
+# It installs torch first (TORCH_SPEC, default torch==2.13.0), then the project, so the project's
+# dependencies never choose the build. Plain PyPI serves the multi-GB CUDA build on Linux; for the CPU
+# build set PIP_EXTRA_INDEX_URL=https://download.pytorch.org/whl/cpu TORCH_SPEC='torch==2.13.0+cpu'
+# (README.md). A stamp file skips the install when nothing changed since the last one.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 EXTRAS="${1:-}"

@@ -102,7 +102,8 @@ def _simulate_arguments(parser: argparse.ArgumentParser) -> None:
     job = SINGLE_JOB
     parser.add_argument("--paper", action="store_true",
                         help="simulate every cell of Decoupled DiLoCo's goodput table and print it beside the paper's "
-                        "(the arms, sizes and rounds are the table's: only the failure and repair flags apply)")
+                        "(the arms, sizes and rounds are the table's: only the failure, repair, restart, resize, "
+                        "rejoin and time-step flags apply)")
     parser.add_argument("--chaos", default="", metavar="SCHEDULE",
                         help="predict the goodput of a chaos schedule (docs/CHAOS.md) instead: its islands, faults and "
                         "round clock, with --startup-s and --utilization")
@@ -131,23 +132,25 @@ def _simulate_arguments(parser: argparse.ArgumentParser) -> None:
                         "(default 60)")
     parser.add_argument("--utilization", type=float, default=0.98, metavar="U",
                         help="with --chaos: share of a running island's time in inner steps (measured without faults)")
-    parser.add_argument("--arm", choices=["dp", "elastic", "learners"], default=job["arm"])
-    parser.add_argument("--chips", type=int, default=job["chips"], metavar="N")
+    parser.add_argument("--arm", choices=["dp", "elastic", "learners"], default=job["arm"],
+                        help="data-parallel, elastic data-parallel or M learners (default: %(default)s)")
+    parser.add_argument("--chips", type=int, default=job["chips"], metavar="N", help="(default: %(default)s)")
     parser.add_argument("--learners", type=int, default=job["learners"], metavar="M", help="learners (the learners arm)")
     parser.add_argument("--learner-mode", choices=["elastic", "rigid"], default=job["learner_mode"],
                         help="a learner drops a failed slice (elastic) or restarts whole (rigid)")
-    parser.add_argument("--slice-chips", type=int, metavar="N", help="chips per slice (default: the paper fit's)")
+    parser.add_argument("--slice-chips", type=int, metavar="N", help="chips per slice (default: the paper fit's, 125)")
     parser.add_argument("--chip-mtbi-days", type=float, default=365.0, metavar="D",
                         help="mean time between interruptions of one chip, days (default: a year)")
-    parser.add_argument("--repair-s", type=float, metavar="S", help="seconds until a failed slice is back")
-    parser.add_argument("--restart-s", type=float, metavar="S", help="seconds of a rigid job's restart")
-    parser.add_argument("--resize-s", type=float, metavar="S", help="seconds of an elastic job's pause per change")
+    parser.add_argument("--repair-s", type=float, metavar="S", help="seconds until a failed slice is back (default: the paper fit's, 0 for "
+                        "data-parallel, which restarts on spares, 600 otherwise)")
+    parser.add_argument("--restart-s", type=float, metavar="S", help="seconds of a rigid job's restart (default: the paper fit's, 78)")
+    parser.add_argument("--resize-s", type=float, metavar="S", help="seconds of an elastic job's pause per change (default: the paper fit's, 22)")
     parser.add_argument("--rejoin-wait-s", type=float, metavar="S",
                         help="seconds a repaired slice waits for an elastic job's next pause before it pauses the job "
-                        "itself (0: at once)")
+                        "itself (0: at once; default: the paper fit's, 180)")
     parser.add_argument("--tick-s", type=float, metavar="S",
                         help="simulate in steps of S seconds: every event at the end of its step, a step's failures "
-                        "first (0: continuous time; default: the paper fit's)")
+                        "first (0: continuous time; default: the paper fit's, 2)")
     parser.add_argument("--checkpoint-s", type=float, default=job["checkpoint_s"], metavar="S",
                         help="a rigid job's checkpoint interval, seconds of training (work since the last one is "
                         "lost; 0: none; with --checkpoint-save-s and no --checkpoint-s: Young's interval)")

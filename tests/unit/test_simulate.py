@@ -208,3 +208,19 @@ def test_a_chaos_schedule_is_predicted_from_its_outages():
     assert (config.learners, config.chips, config.outer_period_s) == (4, 4, 10.0)
     assert result.goodput == pytest.approx(0.5 * (1 - (15 + 8 + 5 + 9) / (4 * 60)))
     assert result.downtime_s == pytest.approx(0.0) and result.rounds_fallback == 0  # 3 of 4 always train
+
+
+def test_the_help_gives_the_paper_fits_values():
+    import argparse
+
+    from p2p_diloco.lab.commands import _simulate_arguments
+    from p2p_diloco.lab.simulate import PAPER_ASSUMPTIONS
+
+    parser = argparse.ArgumentParser()
+    _simulate_arguments(parser)
+    text = " ".join(parser.format_help().split())
+    dp, elastic = PAPER_ASSUMPTIONS["dp"], PAPER_ASSUMPTIONS["elastic"]
+    for value in (dp["slice_chips"], dp["tick_s"], dp["restart_s"], elastic["resize_s"], elastic["rejoin_wait_s"]):
+        assert f"the paper fit's, {value:g})" in text, value
+    assert f"the paper fit's, {dp['repair_s']:g} for data-parallel" in text and f"{elastic['repair_s']:g} otherwise" in text
+    assert dp["tick_s"] == elastic["tick_s"] and dp["slice_chips"] == elastic["slice_chips"]
