@@ -53,8 +53,10 @@ def test_islands_behind_two_nat_routers_share_the_public_islands_rounds(tmp_path
         islands = {r["island"]: r for r in status_json(swarm.initial_peers, RUN)["islands"]}
         assert set(islands) == set(names)
         assert [islands[n]["reachability"] for n in names] == ["public", "nat", "nat"]
-        # bounded in rounds: the public island leaves after 8, the clients after two rounds alone
-        wait_for(lambda: shared_ok_rounds() >= 8, 120, message="8 ok rounds of the public island")
+        # bounded in rounds: the public island leaves after 10, the clients after two rounds alone (10,
+        # not 8: the 80% below then allows 2 missed rounds, and 2 of 8 failed it in one CI run, a client
+        # left out of one group on a loaded machine)
+        wait_for(lambda: shared_ok_rounds() >= 10, 150, message="10 ok rounds of the public island")
         assert swarm.islands["public"].stop() == 0
         public_left = events_of(paths["public"], "stop")[0]["t"]
         wait_for(lambda: all(len([e for e in events_of(paths[name], "round") if e["t_start"] > public_left + 1.0]) >= 2
@@ -89,7 +91,7 @@ def test_islands_behind_two_nat_routers_share_the_public_islands_rounds(tmp_path
     together = {name: len(set(took_part[name]) & set(ok[name])) for name in names[1:]}
     print(f"ok rounds from the first of all three: public {len(ok['public'])}; shared by {together} of the "
           f"{ {name: len(slots) for name, slots in took_part.items()} } each took part in")
-    assert len(ok["public"]) >= 8
+    assert len(ok["public"]) >= 10
     for name in names[1:]:
         assert len(took_part[name]) >= 0.7 * len(ok["public"]), (name, took_part, ok["public"])
         assert together[name] >= 0.8 * len(took_part[name]), (name, together, took_part)
